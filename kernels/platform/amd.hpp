@@ -1,0 +1,52 @@
+// Platform layer for AMD (hipcc, ROCm). Only what differs between vendors lives here; kernel
+// bodies use mori::plat:: and never a vendor intrinsic directly. Chosen by the renderer on the host
+// (the choice is in the source text, hence in the cache key).
+#pragma once
+#include <hip/hip_runtime.h>
+#include <cstdint>
+
+#define MORI_DEVICE __device__ __forceinline__
+
+namespace mori::plat {
+
+// Kernel bodies static_assert that the Cfg's waveSize (chosen on the host by arch) matches this.
+#ifdef __AMDGCN_WAVEFRONT_SIZE
+constexpr int kWaveSize = __AMDGCN_WAVEFRONT_SIZE;
+#else
+constexpr int kWaveSize = 64;
+#endif
+// 16-byte vector (clang ext vector: .x..w like uint4, and valid for the nontemporal builtins)
+typedef unsigned int vec16_t __attribute__((ext_vector_type(4)));
+
+MORI_DEVICE int lane_id() { return __lane_id(); }
+MORI_DEVICE int wave_id() { return threadIdx.x / kWaveSize; }
+MORI_DEVICE uint64_t ballot(bool p) { return __ballot(p); }
+MORI_DEVICE bool wave_any(bool p) { return __any(p); }
+MORI_DEVICE int shfl(int v, int src) { return __shfl(v, src); }
+MORI_DEVICE void wave_sync() {}
+
+MORI_DEVICE void fence_system() { __threadfence_system(); }
+MORI_DEVICE void fence_device() { __threadfence(); }
+
+MORI_DEVICE int atomic_add_system(int* p, int v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MORI_DEVICE unsigned atomic_add_device(unsigned* p, unsigned v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+
+MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MORI_DEVICE void store_release_system(uint64_t* p, uint64_t v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MORI_DEVICE int load_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+
+// Nanoseconds from the constant 100 MHz wall clock (gfx9), for bounded spin-waits.
+MORI_DEVICE uint64_t now_ns() { return wall_clock64() * 10ull; }
+
+MORI_DEVICE vec16_t load_stream(const vec16_t* p) { return __builtin_nontemporal_load(p); }
+MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __builtin_nontemporal_store(v, p); }
+
+}  // namespace mori::plat

@@ -1,0 +1,48 @@
+// Platform layer for NVIDIA (nvcc, CUDA). Only what differs between vendors lives here; kernel
+// bodies use mori::plat:: and never a vendor intrinsic directly. Chosen by the renderer on the host
+// (the choice is in the source text, hence in the cache key).
+#pragma once
+#include <cstdint>
+
+#define MORI_DEVICE __device__ __forceinline__
+
+namespace mori::plat {
+
+constexpr int kWaveSize = 32;
+using vec16_t = uint4;  // 16-byte vector: one global load/store instruction
+
+MORI_DEVICE int lane_id() { return threadIdx.x & (kWaveSize - 1); }
+MORI_DEVICE int wave_id() { return threadIdx.x / kWaveSize; }
+MORI_DEVICE uint64_t ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
+MORI_DEVICE bool wave_any(bool p) { return __any_sync(0xffffffffu, p); }
+MORI_DEVICE int shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+MORI_DEVICE void wave_sync() { __syncwarp(); }
+
+MORI_DEVICE void fence_system() { __threadfence_system(); }
+MORI_DEVICE void fence_device() { __threadfence(); }
+
+MORI_DEVICE int atomic_add_system(int* p, int v) { return atomicAdd_system(p, v); }
+MORI_DEVICE unsigned atomic_add_device(unsigned* p, unsigned v) { return atomicAdd(p, v); }
+
+MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MORI_DEVICE void store_release_system(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MORI_DEVICE int load_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+
+// Nanoseconds of a global clock, for bounded spin-waits.
+MORI_DEVICE uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Non-temporal 16-byte global accesses for streaming payloads.
+MORI_DEVICE vec16_t load_stream(const vec16_t* p) { return __ldcs(p); }
+MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __stcs(p, v); }
+
+}  // namespace mori::plat

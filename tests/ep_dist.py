@@ -1,0 +1,74 @@
+"""Run a function on several CPU processes joined by a gloo process group (test helper).
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, each calling
+``fn(rank, world_size, *args)`` inside an initialised default gloo group. A worker exception
+fails the caller with the worker's traceback text; a hang fails it after ``timeout`` seconds
+instead of blocking CI. ``fn`` must be a module-level (picklable) function.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn, world_size: int, port: int, timeout: float, args: tuple) -> None:
+    # Keep gloo on loopback: container hostnames often resolve to unreachable addresses.
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Several processes share few cores; intra-op threads would only oversubscribe them.
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        # A collective whose peer died errors out instead of waiting forever.
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes and wait for all.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a worker raised (message holds its traceback).
+        torch.multiprocessing.ProcessExitedException: a worker died without a Python exception.
+        TimeoutError: not all workers finished within ``timeout`` seconds (they are killed).
+    """
+    port = free_port()
+    ctx = mp.spawn(_worker, args=(fn, world_size, port, timeout, args), nprocs=world_size,
+                   join=False)
+    deadline = time.monotonic() + timeout
+    # join() raises as soon as any worker fails (and terminates the rest); True once all are done.
+    while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            alive = [p.pid for p in ctx.processes if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
+            raise TimeoutError(f"distributed job {getattr(fn, '__name__', fn)!r} with world_size "
+                               f"{world_size} did not finish within {timeout} s "
+                               f"(killed pids {alive})")
