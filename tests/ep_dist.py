@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, fn, world_size: int, port: int, timeout: float, args: tuple) -> None:
+def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, args: tuple) -> None:
     # Keep gloo on loopback: container hostnames often resolve to unreachable addresses.
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -44,24 +45,48 @@ def _worker(rank: int, fn, world_size: int, port: int, timeout: float, args: tup
     )
     try:
         fn(rank, world_size, *args)
+    except BaseException:
+        # Report before tearing the group down: peers then fail with secondary errors
+        # ("connection reset"), and the parent orders reports by time to show the root cause first.
+        # Tail only: a report must fit the pipe buffer, as the parent reads only after a failure.
+        errors.put((time.time(), rank, traceback.format_exc()[-6000:]))
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _drain(errors) -> str:
+    """All worker tracebacks reported so far, earliest first."""
+    reports = []
+    while not errors.empty():
+        reports.append(errors.get())
+    reports.sort()
+    return "\n".join(f"--- rank {rank} ---\n{tb}" for _, rank, tb in reports)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes and wait for all.
 
     Raises:
-        torch.multiprocessing.ProcessRaisedException: a worker raised (message holds its traceback).
-        torch.multiprocessing.ProcessExitedException: a worker died without a Python exception.
+        AssertionError: a worker raised or died; the message holds every reported traceback,
+            earliest first (the first is usually the root cause, later ones its echoes).
         TimeoutError: not all workers finished within ``timeout`` seconds (they are killed).
     """
     port = free_port()
-    ctx = mp.spawn(_worker, args=(fn, world_size, port, timeout, args), nprocs=world_size,
-                   join=False)
+    errors = mp.get_context("spawn").SimpleQueue()
+    ctx = mp.spawn(_worker, args=(fn, world_size, port, timeout, errors, args),
+                   nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout
-    # join() raises as soon as any worker fails (and terminates the rest); True once all are done.
-    while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+    name = getattr(fn, "__name__", repr(fn))
+    while True:
+        try:
+            # Raises as soon as any worker fails (and terminates the rest); True once all are done.
+            if ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            reports = _drain(errors) or str(e)
+            raise AssertionError(f"distributed job {name!r} (world_size {world_size}) failed:\n"
+                                 f"{reports}") from None
         if time.monotonic() >= deadline:
             alive = [p.pid for p in ctx.processes if p.is_alive()]
             for p in ctx.processes:
@@ -69,6 +94,5 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
                     p.kill()
             for p in ctx.processes:
                 p.join(5)
-            raise TimeoutError(f"distributed job {getattr(fn, '__name__', fn)!r} with world_size "
-                               f"{world_size} did not finish within {timeout} s "
-                               f"(killed pids {alive})")
+            raise TimeoutError(f"distributed job {name!r} with world_size {world_size} did not "
+                               f"finish within {timeout} s (killed pids {alive})\n{_drain(errors)}")

@@ -1,0 +1,194 @@
+"""EP kernel config (``EpCfg``), its shared arithmetic, the args struct and the arena regions.
+
+This module is the one declaration of each: the C++ header ``kernels/ep/ep_generated.hpp`` is
+generated from it, and :func:`make_ep_cfg` is the one place that turns a request into an EpCfg
+(arch defaults, then the request, then ``MORI_V2_EP_*`` overrides).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from mori_jit.jit import knobs
+from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
+from mori_jit.jit.codegen import GeneratedHeader, register_header
+from mori_jit.jit.expr import C, Derived, where
+from mori_jit.jit.fields import CEnum, ConfigError, apply_request, cfg_fields
+from mori_jit.jit.toolchain import wave_size_for_arch
+
+__all__ = ["EpDType", "EpCfg", "EP_ARGS", "EP_REGIONS", "EP_MAX_PEERS", "make_ep_cfg", "region_bytes",
+           "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
+           "EpSummable", "DISPATCH", "COMBINE"]
+
+#: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
+EP_MAX_PEERS = 8
+DISPATCH, COMBINE = "dispatch", "combine"
+
+
+class EpDType(CEnum):
+    """Payload type of one leg. Fp8 and Fp4x2 are moved as bytes (one byte per element; for Fp4x2
+    ``hiddenDim`` counts bytes, i.e. pairs of e2m1), never summed."""
+
+    Bf16 = 0
+    Fp32 = 1
+    Fp8 = 2
+    Fp4x2 = 3
+
+    @classmethod
+    def _coerce_other(cls, value):
+        name = str(value).replace("torch.", "")
+        return {"bfloat16": cls.Bf16, "float32": cls.Fp32, "float8_e4m3fn": cls.Fp8,
+                "float8_e4m3fnuz": cls.Fp8, "float4_e2m1fn_x2": cls.Fp4x2, "uint8": cls.Fp4x2}.get(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpCfg:
+    """One EP kernel specialization (dispatch or combine leg). Geometry is in here, so in the key."""
+
+    worldSize: int = 8
+    hiddenDim: int = 7168
+    maxTokPerRank: int = 128
+    numExpertPerRank: int = 8
+    numExpertPerToken: int = 8
+    maxRecv: int = 0  # 0 = worldSize * maxTokPerRank; also the stride of the flat index pe*maxRecv+slot
+    dtype: EpDType = EpDType.Bf16
+    blockNum: int = 64
+    warpPerBlock: int = 16
+    waveSize: int = 64
+    useWeights: bool = True
+
+    def __post_init__(self):
+        if not EpIsValid(self):
+            raise ConfigError(f"invalid EpCfg: {'; '.join(ep_cfg_problems(self))}")
+
+
+EpElemBytes = Derived("EpElemBytes", "EpCfg", where(C.dtype.eq(EpDType.Fp32), 4,
+                                                    where(C.dtype.eq(EpDType.Bf16), 2, 1)),
+                      doc="bytes per payload element")
+EpTokenBytes = Derived("EpTokenBytes", "EpCfg", C.hiddenDim * EpElemBytes, doc="bytes per token row")
+EpBlockThreads = Derived("EpBlockThreads", "EpCfg", C.warpPerBlock * C.waveSize, doc="threads per block")
+EpMaxRecv = Derived("EpMaxRecv", "EpCfg", where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv),
+                    doc="receive capacity in rows; also the stride of the flat index pe*maxRecv+slot")
+EpNumExperts = Derived("EpNumExperts", "EpCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
+EpSummable = Derived("EpSummable", "EpCfg", C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32), ctype="bool",
+                     doc="the dtype can be reduced (combine leg)")
+
+# Each validity rule once, with its message; EpIsValid is their conjunction (emitted to C++ too).
+_RULES: list[tuple[Any, str]] = [
+    (C.worldSize >= 1, "worldSize must be >= 1"),
+    (C.worldSize <= EP_MAX_PEERS, f"worldSize must be <= {EP_MAX_PEERS} (intranode)"),
+    (C.worldSize <= C.waveSize, "worldSize must fit in one wavefront/warp"),
+    (C.hiddenDim >= 1, "hiddenDim must be >= 1"),
+    ((EpTokenBytes % 16).eq(0), "token bytes (hiddenDim * element bytes) must be a multiple of 16"),
+    (C.maxTokPerRank >= 1, "maxTokPerRank must be >= 1"),
+    (C.numExpertPerRank >= 1, "numExpertPerRank must be >= 1"),
+    (C.numExpertPerToken >= 1, "numExpertPerToken must be >= 1"),
+    (C.numExpertPerToken <= C.waveSize, "numExpertPerToken (topk) must fit in one wavefront/warp"),
+    (C.maxRecv.eq(0) | (C.maxRecv >= C.worldSize * C.maxTokPerRank),
+     "maxRecv must be 0 or cover the worst case worldSize*maxTokPerRank"),
+    (C.waveSize.eq(32) | C.waveSize.eq(64), "waveSize must be 32 or 64"),
+    (C.blockNum >= 1, "blockNum must be >= 1"),
+    (C.warpPerBlock >= 1, "warpPerBlock must be >= 1"),
+    (EpBlockThreads <= 1024, "warpPerBlock*waveSize must be <= 1024"),
+]
+
+
+def _all(exprs):
+    out = exprs[0]
+    for e in exprs[1:]:
+        out = out & e
+    return out
+
+
+EpIsValid = Derived("EpIsValid", "EpCfg", _all([r for r, _ in _RULES]), ctype="bool",
+                    doc="the kernels can be built and are correct for this config")
+
+
+def ep_cfg_problems(cfg: EpCfg) -> list[str]:
+    """Every violated rule, with the offending values."""
+    vals = ", ".join(f"{f.name}={getattr(cfg, f.name)!s}" for f in cfg_fields(cfg))
+    return [f"{msg} ({vals})" for expr, msg in _RULES if not expr.eval(cfg)]
+
+
+#: Symmetric-arena regions (name → doc). Offsets are runtime args ``off_<name>``, never Cfg fields.
+EP_REGIONS: dict[str, str] = {
+    "disp_out": "received token rows [maxRecv, tokenBytes] (written by peers)",
+    "out_wts": "received weights [maxRecv, k] f32 (written by peers)",
+    "out_idx": "received expert ids [maxRecv, k] i32 (written by peers)",
+    "recv_to_src": "reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)",
+    "tok_off": "forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)",
+    "recv_num": "slot counters [2] i32, by epoch parity (peers add atomically)",
+    "total_recv": "received rows of the last dispatch [1] i32 (local)",
+    "comb_stage": "combine staging [maxRecv, combine tokenBytes] (read by peers)",
+    "comb_stage_wts": "combine staging weights [maxRecv, k] f32 (read by peers)",
+    "xdb": "cross-device flags [2, EP_MAX_PEERS] u64: dispatch-done and combine-ready, by source",
+    "sync": "local sync words [8] u64: block counters and device-side epochs",
+}
+
+EP_ARGS = ArgsSchema("EpArgs", [
+    ptr("inpTok", "const void", "dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]"),
+    ptr("inpWeights", "const float", "dispatch: weights [n, k]; combine: weights [>=recv, k] or null"),
+    ptr("inpIndices", "const int32_t", "dispatch: expert ids [n, k]"),
+    ptr("outTok", "void", "combine: y [n, H]"),
+    ptr("outWeights", "float", "combine: y_w [n, k] or null"),
+    ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail (0 = ok)"),
+    i32("numTokens", doc="n of the dispatch call"),
+    i32("rank", doc="this rank"),
+    i64("timeoutNs", doc="spin-wait bound in ns"),
+    u64("peerBase", EP_MAX_PEERS, "arena base address of every rank, by rank"),
+    *[u64(f"off_{name}", doc=doc) for name, doc in EP_REGIONS.items()],
+])
+
+register_header(GeneratedHeader(
+    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], cfgs=[EpCfg],
+    derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpSummable, EpIsValid],
+    args=[EP_ARGS]))
+
+
+def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
+    """Bytes of each region for a dispatch leg ``disp`` and a combine leg ``comb`` (same shape)."""
+    recv, k, m = EpMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank
+    return {
+        "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * 4,
+        "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
+        "comb_stage": recv * EpTokenBytes(comb), "comb_stage_wts": recv * k * 4,
+        "xdb": 2 * EP_MAX_PEERS * 8, "sync": 8 * 8,
+    }
+
+
+def _leg_defaults(kind: str, arch: str) -> dict[str, Any]:
+    return {"waveSize": wave_size_for_arch(arch), "blockNum": 64, "warpPerBlock": 16 if kind == DISPATCH else 8}
+
+
+def _env_overrides(kind: str) -> dict[str, str]:
+    """``MORI_V2_EP_<FIELD>`` (both legs) and ``MORI_V2_EP_<DISPATCH|COMBINE>_<FIELD>`` (one leg)."""
+    by_key = {f.name.upper(): f.name for f in cfg_fields(EpCfg)}
+    out: dict[str, str] = {}
+    legs = (DISPATCH.upper() + "_", COMBINE.upper() + "_")
+    for specific in (False, True):
+        for raw, value in knobs.ep_geometry_overrides().items():
+            leg = next((p for p in legs if raw.startswith(p)), None)
+            if (leg is not None) != specific or (leg and leg != kind.upper() + "_"):
+                continue
+            name = raw[len(leg):] if leg else raw
+            field = by_key.get(name.replace("_", ""))
+            if field is None:
+                raise ConfigError(f"MORI_V2_EP_{raw}: no EpCfg field {name!r}; valid: "
+                                  f"{', '.join('MORI_V2_EP_[DISPATCH_|COMBINE_]' + k for k in by_key)}")
+            out[field] = value
+    return out
+
+
+def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
+    """The EpCfg for leg ``kind`` on ``arch``: arch defaults ← ``request`` ← ``MORI_V2_EP_*`` overrides.
+
+    The only place ``MORI_V2_EP_*`` is read; the result goes into the key like any other Cfg. The
+    combine leg refuses byte dtypes (they can be moved, not summed).
+    """
+    if kind not in (DISPATCH, COMBINE):
+        raise ValueError(f"kind must be {DISPATCH!r} or {COMBINE!r}, got {kind!r}")
+    merged = {**_leg_defaults(kind, arch), **request, **_env_overrides(kind)}
+    cfg = apply_request(EpCfg(worldSize=1, waveSize=wave_size_for_arch(arch)), merged)
+    if kind == COMBINE and not EpSummable(cfg):
+        raise ConfigError(f"combine dtype {cfg.dtype.name} cannot be summed; combine supports Bf16 and Fp32")
+    return cfg

@@ -1,0 +1,50 @@
+"""The EP kernel specs: ``ep_dispatch`` and ``ep_combine`` (one TU template, two entry bodies)."""
+from __future__ import annotations
+
+from mori_jit.jit.registry import register
+from mori_jit.jit.spec import Geometry, Spec
+from mori_jit.jit.toolchain import Toolchain
+
+from .cfg import COMBINE, DISPATCH, EP_ARGS, EpBlockThreads, EpCfg, EpDType, make_ep_cfg
+
+__all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "ELEM_TYPES"]
+
+#: Device element type of each dtype tag (expanded at render time; the Cfg header has only the tag).
+ELEM_TYPES = {EpDType.Bf16: "mori::bf16_t", EpDType.Fp32: "float", EpDType.Fp8: "mori::fp8_t",
+              EpDType.Fp4x2: "mori::fp4x2_t"}
+
+
+class EpSpec(Spec):
+    """One leg of the intranode EP op. ``kind`` is ``dispatch`` or ``combine``."""
+
+    cfg_type = EpCfg
+    args = EP_ARGS
+    template = "ep_intranode.hip.j2"
+    deps = ("kernels/platform", "kernels/common", "kernels/ep")
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.name = f"ep_{kind}"
+
+    def default_cfg(self, toolchain: Toolchain) -> EpCfg:
+        return make_ep_cfg(self.kind, toolchain.arch, {})
+
+    def make_cfg(self, toolchain: Toolchain, request=None) -> EpCfg:
+        return make_ep_cfg(self.kind, toolchain.arch, request or {})
+
+    def entry_name(self, cfg: EpCfg) -> str:
+        return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
+                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}")
+
+    def geometry(self, cfg: EpCfg) -> Geometry:
+        return Geometry((cfg.blockNum, 1, 1), (EpBlockThreads(cfg), 1, 1))
+
+    def template_vars(self, cfg: EpCfg, toolchain: Toolchain) -> dict:
+        # Arch routing happens here, on the host: every arch uses the portable body today.
+        return {"body_header": "ep/ep_intranode.hpp",
+                "body": "EpDispatchBody" if self.kind == DISPATCH else "EpCombineBody",
+                "elem_t": ELEM_TYPES[cfg.dtype]}
+
+
+EP_DISPATCH = register(EpSpec(DISPATCH))
+EP_COMBINE = register(EpSpec(COMBINE))
