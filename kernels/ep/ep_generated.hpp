@@ -45,6 +45,7 @@ struct EpArgs {
   float* outWeights;  // combine: y_w [n, k] or null
   uint64_t* errWord;  // host-mapped error words [4]: code, detail (0 = ok)
   int32_t numTokens;  // n of the dispatch call
+  int32_t inpRows;  // combine: rows of the expert output (guards a short input)
   int32_t rank;  // this rank
   int64_t timeoutNs;  // spin-wait bound in ns
   uint64_t peerBase[8];  // arena base address of every rank, by rank
@@ -67,21 +68,22 @@ static_assert(offsetof(EpArgs, outTok) == 24, "EpArgs.outTok moved");
 static_assert(offsetof(EpArgs, outWeights) == 32, "EpArgs.outWeights moved");
 static_assert(offsetof(EpArgs, errWord) == 40, "EpArgs.errWord moved");
 static_assert(offsetof(EpArgs, numTokens) == 48, "EpArgs.numTokens moved");
-static_assert(offsetof(EpArgs, rank) == 52, "EpArgs.rank moved");
-static_assert(offsetof(EpArgs, timeoutNs) == 56, "EpArgs.timeoutNs moved");
-static_assert(offsetof(EpArgs, peerBase) == 64, "EpArgs.peerBase moved");
-static_assert(offsetof(EpArgs, off_disp_out) == 128, "EpArgs.off_disp_out moved");
-static_assert(offsetof(EpArgs, off_out_wts) == 136, "EpArgs.off_out_wts moved");
-static_assert(offsetof(EpArgs, off_out_idx) == 144, "EpArgs.off_out_idx moved");
-static_assert(offsetof(EpArgs, off_recv_to_src) == 152, "EpArgs.off_recv_to_src moved");
-static_assert(offsetof(EpArgs, off_tok_off) == 160, "EpArgs.off_tok_off moved");
-static_assert(offsetof(EpArgs, off_recv_num) == 168, "EpArgs.off_recv_num moved");
-static_assert(offsetof(EpArgs, off_total_recv) == 176, "EpArgs.off_total_recv moved");
-static_assert(offsetof(EpArgs, off_comb_stage) == 184, "EpArgs.off_comb_stage moved");
-static_assert(offsetof(EpArgs, off_comb_stage_wts) == 192, "EpArgs.off_comb_stage_wts moved");
-static_assert(offsetof(EpArgs, off_xdb) == 200, "EpArgs.off_xdb moved");
-static_assert(offsetof(EpArgs, off_sync) == 208, "EpArgs.off_sync moved");
-static_assert(sizeof(EpArgs) == 216, "EpArgs size changed");
+static_assert(offsetof(EpArgs, inpRows) == 52, "EpArgs.inpRows moved");
+static_assert(offsetof(EpArgs, rank) == 56, "EpArgs.rank moved");
+static_assert(offsetof(EpArgs, timeoutNs) == 64, "EpArgs.timeoutNs moved");
+static_assert(offsetof(EpArgs, peerBase) == 72, "EpArgs.peerBase moved");
+static_assert(offsetof(EpArgs, off_disp_out) == 136, "EpArgs.off_disp_out moved");
+static_assert(offsetof(EpArgs, off_out_wts) == 144, "EpArgs.off_out_wts moved");
+static_assert(offsetof(EpArgs, off_out_idx) == 152, "EpArgs.off_out_idx moved");
+static_assert(offsetof(EpArgs, off_recv_to_src) == 160, "EpArgs.off_recv_to_src moved");
+static_assert(offsetof(EpArgs, off_tok_off) == 168, "EpArgs.off_tok_off moved");
+static_assert(offsetof(EpArgs, off_recv_num) == 176, "EpArgs.off_recv_num moved");
+static_assert(offsetof(EpArgs, off_total_recv) == 184, "EpArgs.off_total_recv moved");
+static_assert(offsetof(EpArgs, off_comb_stage) == 192, "EpArgs.off_comb_stage moved");
+static_assert(offsetof(EpArgs, off_comb_stage_wts) == 200, "EpArgs.off_comb_stage_wts moved");
+static_assert(offsetof(EpArgs, off_xdb) == 208, "EpArgs.off_xdb moved");
+static_assert(offsetof(EpArgs, off_sync) == 216, "EpArgs.off_sync moved");
+static_assert(sizeof(EpArgs) == 224, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

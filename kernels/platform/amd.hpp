@@ -25,6 +25,9 @@ MORI_DEVICE bool wave_any(bool p) { return __any(p); }
 MORI_DEVICE int shfl(int v, int src) { return __shfl(v, src); }
 MORI_DEVICE void wave_sync() {}
 
+// Index of the lowest set bit of a non-zero mask.
+MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<unsigned long long>(m)) - 1; }
+
 MORI_DEVICE void fence_system() { __threadfence_system(); }
 MORI_DEVICE void fence_device() { __threadfence(); }
 
@@ -48,5 +51,8 @@ MORI_DEVICE uint64_t now_ns() { return wall_clock64() * 10ull; }
 
 MORI_DEVICE vec16_t load_stream(const vec16_t* p) { return __builtin_nontemporal_load(p); }
 MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __builtin_nontemporal_store(v, p); }
+// Loads of data a peer wrote after this kernel started: nontemporal (glc/slc) so no stale line is hit.
+MORI_DEVICE vec16_t load_uncached(const vec16_t* p) { return __builtin_nontemporal_load(p); }
+MORI_DEVICE float load_uncached_f32(const float* p) { return __builtin_nontemporal_load(p); }
 
 }  // namespace mori::plat

@@ -18,6 +18,9 @@ MORI_DEVICE bool wave_any(bool p) { return __any_sync(0xffffffffu, p); }
 MORI_DEVICE int shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 MORI_DEVICE void wave_sync() { __syncwarp(); }
 
+// Index of the lowest set bit of a non-zero mask.
+MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<long long>(m)) - 1; }
+
 MORI_DEVICE void fence_system() { __threadfence_system(); }
 MORI_DEVICE void fence_device() { __threadfence(); }
 
@@ -44,5 +47,8 @@ MORI_DEVICE uint64_t now_ns() {
 // Non-temporal 16-byte global accesses for streaming payloads.
 MORI_DEVICE vec16_t load_stream(const vec16_t* p) { return __ldcs(p); }
 MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __stcs(p, v); }
+// Loads of data a peer wrote after this kernel started: bypass L1 (not coherent), cache in L2 only.
+MORI_DEVICE vec16_t load_uncached(const vec16_t* p) { return __ldcg(p); }
+MORI_DEVICE float load_uncached_f32(const float* p) { return __ldcg(p); }
 
 }  // namespace mori::plat

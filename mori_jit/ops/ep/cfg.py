@@ -133,6 +133,7 @@ EP_ARGS = ArgsSchema("EpArgs", [
     ptr("outWeights", "float", "combine: y_w [n, k] or null"),
     ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail (0 = ok)"),
     i32("numTokens", doc="n of the dispatch call"),
+    i32("inpRows", doc="combine: rows of the expert output (guards a short input)"),
     i32("rank", doc="this rank"),
     i64("timeoutNs", doc="spin-wait bound in ns"),
     u64("peerBase", EP_MAX_PEERS, "arena base address of every rank, by rank"),

@@ -1,0 +1,283 @@
+// Intranode EP dispatch/combine: the portable body (HIP dialect over mori::plat, wave 64 or 32).
+//
+// Memory model: every rank owns one symmetric arena; a peer's region is peerBase[pe] + off_<region>.
+// Region offsets and the rank are runtime args (never Cfg fields), so one binary serves every rank.
+//
+// Dispatch: one wave per token. Lanes < k each take one expert slot, map it to a destination rank,
+// and drop invalid ids and ranks already seen earlier in the token (dedup). Each distinct destination
+// gets a slot from a system-scope atomic on that rank's counter; the wave then streams the row once
+// from local memory and stores each 16-byte vector to every destination. The last block to finish
+// publishes a done flag (device epoch + 1) on every peer, waits for every peer's flag, then
+// publishes total_recv and advances the epoch on the device (graph replays stay correct).
+//
+// Combine (gather/pull): copy the expert output into the symmetric staging region (skipped when the
+// expert wrote there), a cross-device barrier, then each rank pulls its tokens' rows from the peers'
+// staging regions and sums them in fp32.
+//
+// Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
+// peer, in the host-mapped error words; the host raises on the next call.
+#pragma once
+#include "common/types.hpp"
+#include "ep/ep_generated.hpp"
+
+namespace mori::ep {
+
+using plat::vec16_t;
+
+// Sync-word layout of the local `sync` region (u64 words).
+enum SyncWord : int { kDispBlocks = 0, kStageBlocks = 1, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5 };
+// Which spin-wait timed out (high bits of the error detail word).
+enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineReady = 2 };
+constexpr uint64_t kErrShortInput = 0x53484f52ull;  // "SHOR": combine input has fewer rows than received
+// Cross-device flag rows of the `xdb` region.
+enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1 };
+constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
+constexpr uint64_t kErrTimeout = 0x4d4f5249ull;  // "MORI"
+
+template <typename P>
+MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {
+  return reinterpret_cast<P*>(a.peerBase[pe] + off);
+}
+
+MORI_DEVICE uint64_t* SyncWords(const EpArgs& a) { return At<uint64_t>(a, a.rank, a.off_sync); }
+MORI_DEVICE uint64_t* XdbFlags(const EpArgs& a, int pe, int row) {
+  return At<uint64_t>(a, pe, a.off_xdb) + row * kMaxPeers;
+}
+
+// Spin until *flag >= target; false (and an error recorded) after args.timeoutNs.
+MORI_DEVICE bool WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t target, WaitId wait, int peer) {
+  if (plat::load_acquire_system(flag) >= target) return true;
+  const uint64_t t0 = plat::now_ns();
+  while (plat::load_acquire_system(flag) < target) {
+    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
+      volatile uint64_t* err = a.errWord;
+      err[1] = (uint64_t(wait) << 48) | (uint64_t(peer) << 32) | (uint64_t(a.rank) << 16);
+      err[2] = target;
+      plat::fence_system();
+      err[0] = kErrTimeout;
+      return false;
+    }
+  }
+  return true;
+}
+
+// True in exactly one block: the last one to arrive at counter `word` (which it resets).
+MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    plat::fence_system();  // this block's peer stores are visible before it is counted
+    unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
+    last = plat::atomic_add_device(ctr, 1u) == gridDim.x - 1;
+    if (last) *ctr = 0;
+  }
+  __syncthreads();
+  return last;
+}
+
+template <EpCfg kCfg, typename T>
+MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
+  static_assert(EpIsValid(kCfg), "invalid EpCfg");
+  static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
+  static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
+  static_assert(kCfg.worldSize <= kMaxPeers, "worldSize exceeds the peer array");
+  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = 4;
+  const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
+  uint64_t* sync = SyncWords(args);
+  const uint64_t epoch = sync[kDispEpoch];
+  const int parity = int(epoch & 1);
+  int* tokOff = At<int>(args, rank, args.off_tok_off);
+
+  const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
+  const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
+  for (int t = wave; t < n; t += numWaves) {
+    int pe = -1;
+    int expert = -1;
+    if (lane < kK) {
+      expert = args.inpIndices[t * kK + lane];
+      if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
+    }
+    bool first = pe >= 0;
+#pragma unroll
+    for (int l = 0; l < kK; ++l) {
+      const int other = plat::shfl(pe, l);
+      if (l < lane && other == pe) first = false;
+    }
+    int slot = -1;
+    if (first) {
+      slot = plat::atomic_add_system(At<int>(args, pe, args.off_recv_num) + parity, 1);
+      At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
+    }
+    if (lane < kK) tokOff[t * kK + lane] = first ? pe * kRecv + slot : -1;
+    uint64_t dests = plat::ballot(first);
+
+    // Weights and ids: lanes < k, once per destination.
+    for (uint64_t m = dests; m; m &= m - 1) {
+      const int b = plat::lowest_bit(m);
+      const int dpe = plat::shfl(pe, b), dslot = plat::shfl(slot, b);
+      if (lane < kK) {
+        if (kCfg.useWeights && args.inpWeights != nullptr) At<float>(args, dpe, args.off_out_wts)[dslot * kK + lane] = args.inpWeights[t * kK + lane];
+        At<int>(args, dpe, args.off_out_idx)[dslot * kK + lane] = args.inpIndices[t * kK + lane];
+      }
+    }
+    // Payload: each vector is loaded once and stored to every destination.
+    int dstPe[kWs], dstSlot[kWs], numDst = 0;
+#pragma unroll
+    for (int i = 0; i < kWs; ++i) dstPe[i] = dstSlot[i] = 0;
+    for (uint64_t m = dests; m; m &= m - 1) {
+      const int b = plat::lowest_bit(m);
+      dstPe[numDst] = plat::shfl(pe, b);
+      dstSlot[numDst] = plat::shfl(slot, b);
+      ++numDst;
+    }
+    const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
+                                                          size_t(t) * EpTokenBytes(kCfg));
+    for (int v0 = lane; v0 < kVecs; v0 += kW * kUnroll) {
+      vec16_t buf[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
+#pragma unroll
+      for (int d = 0; d < kWs; ++d) {
+        if (d >= numDst) break;
+        vec16_t* dst = At<vec16_t>(args, dstPe[d], args.off_disp_out) + size_t(dstSlot[d]) * kVecs;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+      }
+    }
+  }
+
+  if (!LastBlockArrives(args, kDispBlocks)) return;
+  // Last block: tell every peer this rank is done, wait for all of them, publish the count.
+  const uint64_t target = epoch + 1;
+  if (threadIdx.x < kWs) {
+    plat::fence_system();
+    plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbDispatch) + rank, target);
+  }
+  if (threadIdx.x < kWs) WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target,
+                                     kWaitDispatchDone, threadIdx.x);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* recvNum = At<int>(args, rank, args.off_recv_num);
+    *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
+    recvNum[parity] = 0;  // peers' next use of this counter is two epochs away (see header comment)
+    sync[kDispEpoch] = target;
+  }
+}
+
+template <typename T, int kN>
+struct Acc {
+  float v[kN];
+};
+
+template <EpCfg kCfg, typename T>
+MORI_DEVICE void EpCombineBody(const EpArgs& args) {
+  static_assert(EpIsValid(kCfg), "invalid EpCfg");
+  static_assert(EpSummable(kCfg), "combine sums: the dtype must be Bf16 or Fp32");
+  static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
+  static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
+  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = 2;
+  constexpr int kPerVec = 16 / sizeof(T);
+  const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
+  uint64_t* sync = SyncWords(args);
+  const uint64_t epoch = sync[kCombEpoch];
+  const int total = *At<int>(args, rank, args.off_total_recv);
+  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr && args.outWeights != nullptr;
+
+  // 1. Stage the expert output (and weights) into this rank's symmetric staging region.
+  vec16_t* stage = At<vec16_t>(args, rank, args.off_comb_stage);
+  float* stageW = At<float>(args, rank, args.off_comb_stage_wts);
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+  int rows = total;
+  if (args.inpTok != stage && total > args.inpRows) {  // never read past the caller's tensor
+    rows = args.inpRows;
+    if (tid == 0) {
+      volatile uint64_t* err = args.errWord;
+      err[1] = (uint64_t(rank) << 16);
+      err[2] = (uint64_t(total) << 32) | uint32_t(args.inpRows);
+      plat::fence_system();
+      err[0] = kErrShortInput;
+    }
+  }
+  if (args.inpTok != stage) {
+    const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
+    for (size_t i = tid; i < size_t(rows) * kVecs; i += nthreads) stage[i] = plat::load_stream(in + i);
+  }
+  if (withWeights && args.inpWeights != stageW)
+    for (int i = tid; i < rows * kK; i += nthreads) stageW[i] = args.inpWeights[i];
+
+  // 2. Cross-device barrier: the last block to finish staging tells every peer; all blocks wait.
+  const uint64_t target = epoch + 1;
+  if (LastBlockArrives(args, kStageBlocks) && threadIdx.x < kWs)
+    plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
+  if (threadIdx.x < kWs)
+    WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target, kWaitCombineReady, threadIdx.x);
+  __syncthreads();
+
+  // 3. Pull and sum: one wave per local token; lane < k holds one forward-map entry.
+  const int* tokOff = At<int>(args, rank, args.off_tok_off);
+  const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
+  const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
+  for (int t = wave; t < n; t += numWaves) {
+    const int flat = lane < kK ? tokOff[t * kK + lane] : -1;
+    const uint64_t srcs = plat::ballot(flat >= 0);
+    const vec16_t* rows[kWs];
+    const float* wrows[kWs];
+    int numSrc = 0;
+#pragma unroll
+    for (int i = 0; i < kWs; ++i) rows[i] = nullptr, wrows[i] = nullptr;
+    for (uint64_t m = srcs; m; m &= m - 1) {
+      const int f = plat::shfl(flat, plat::lowest_bit(m));
+      const int pe = f / kRecv, slot = f % kRecv;
+      rows[numSrc] = At<vec16_t>(args, pe, args.off_comb_stage) + size_t(slot) * kVecs;
+      wrows[numSrc] = At<float>(args, pe, args.off_comb_stage_wts) + size_t(slot) * kK;
+      ++numSrc;
+    }
+    vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
+    for (int v0 = lane; v0 < kVecs; v0 += kW * kUnroll) {
+      float acc[kUnroll][kPerVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) acc[u][e] = 0.f;
+#pragma unroll
+      for (int s = 0; s < kWs; ++s) {
+        if (s >= numSrc) break;
+        vec16_t buf[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) buf[u] = plat::load_uncached(rows[s] + v0 + u * kW);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const T* el = reinterpret_cast<const T*>(&buf[u]);
+#pragma unroll
+          for (int e = 0; e < kPerVec; ++e) acc[u][e] += to_f32(el[e]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v0 + u * kW >= kVecs) break;
+        vec16_t o;
+        T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) oe[e] = from_f32<T>(acc[u][e]);
+        out[v0 + u * kW] = o;
+      }
+    }
+    if (withWeights && lane < kK) {
+      float w = 0.f;
+#pragma unroll
+      for (int s = 0; s < kWs; ++s)
+        if (s < numSrc) w += plat::load_uncached_f32(wrows[s] + lane);
+      args.outWeights[t * kK + lane] = w;
+    }
+  }
+
+  // 4. Advance the combine epoch on the device once every block is done with it.
+  if (LastBlockArrives(args, kCombBlocks) && threadIdx.x == 0) sync[kCombEpoch] = target;
+}
+
+}  // namespace mori::ep

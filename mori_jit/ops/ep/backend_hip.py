@@ -1,0 +1,157 @@
+"""The ``hip`` backend: the JIT kernels of ``kernels/ep/`` (AMD via hipcc, NVIDIA via nvcc).
+
+Every variant of the schedule is compiled and loaded at construction; ``dispatch``/``combine`` fill
+a preallocated args struct and launch on the current stream: no compile, no host sync, so a whole
+step can be captured in a CUDA/HIP graph. Device errors (timed-out waits) land in a host-mapped
+word that the next call reads without syncing.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mori_jit.jit import knobs
+from mori_jit.jit.plan import Plan
+from mori_jit.jit.toolchain import get_toolchain
+
+from .arena import SymmArena
+from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, region_bytes
+from .config import EpDispatchCombineConfig
+from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
+from .specs import EP_COMBINE, EP_DISPATCH
+from .variants import ep_variants
+
+__all__ = ["EpDispatchCombineOpHip", "HipRouting"]
+
+_SPEC = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE}
+# Must match kernels/ep/ep_intranode.hpp (kErrTimeout, kErrShortInput, WaitId).
+_ERR_TIMEOUT, _ERR_SHORT_INPUT = 0x4D4F5249, 0x53484F52
+_WAITS = {1: "dispatch: waiting for a peer's dispatch-done flag",
+          2: "combine: waiting for a peer's combine-ready flag (cross-device barrier)"}
+_SYNC_REGIONS = ("recv_num", "total_recv", "xdb", "sync")
+
+
+@dataclasses.dataclass(frozen=True)
+class HipRouting:
+    """What combine needs from a dispatch: the token count; ``recv_src`` is the reverse map view
+    (``srcRank*M + srcTok`` per received row, valid below ``total_recv``)."""
+
+    op_id: int
+    num_tokens: int
+    recv_src: torch.Tensor
+    total_recv: torch.Tensor
+
+
+def decode_error(words: list[int], rank: int) -> str:
+    """A readable message for the device error words (code, detail, extra)."""
+    code, detail, extra = words[0], words[1], words[2]
+    if code == _ERR_TIMEOUT:
+        wait, peer, who = detail >> 48, (detail >> 32) & 0xFFFF, (detail >> 16) & 0xFFFF
+        return (f"rank {who}: {_WAITS.get(wait, f'wait {wait}')} from rank {peer} timed out after "
+                f"MORI_EP_TIMEOUT_S (flag never reached {extra}); a peer skipped or is stuck in a collective")
+    if code == _ERR_SHORT_INPUT:
+        return (f"rank {(detail >> 16) & 0xFFFF}: combine input had {extra & 0xFFFFFFFF} rows but dispatch "
+                f"received {extra >> 32}; the missing rows were not combined")
+    return f"unknown device error code {code:#x} (detail {detail:#x})"
+
+
+class EpDispatchCombineOpHip(EpDispatchCombineOp):
+    """EP op on the JIT kernels."""
+
+    def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
+        missing = []
+        if cfg.combine_mode != "gather":
+            missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
+        if cfg.quant_type not in (None, "none"):
+            missing.append(f"quant_type={cfg.quant_type!r} (pass already-quantized payloads instead)")
+        if cfg.scale_dim or cfg.scale_type_size:
+            missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
+        if cfg.is_internode:
+            missing.append(f"internode (gpu_per_node={cfg.gpu_per_node} < world_size={cfg.world_size})")
+        if cfg.world_size > EP_MAX_PEERS:
+            missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS}")
+        if not torch.cuda.is_available():
+            missing.append("a CUDA/ROCm device (none visible)")
+        return missing
+
+    def _regions(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
+        # Building the variants validates every EpCfg, so a bad config fails before any allocation.
+        self._toolchain = get_toolchain()
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self._variants = ep_variants(cfg, self._toolchain.arch, props.multi_processor_count)
+        return region_bytes(self._variants.dispatch[0], self._variants.combine[0])
+
+    def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
+        assert arena is not None
+        var, tc, dev = self._variants, self._toolchain, self.device
+        plans = {(kind, c): Plan.prepare(_SPEC[kind], c, tc, dev) for kind, c in var.all_cfgs()}
+        disp_plans = [plans[(DISPATCH, c)] for c in var.dispatch]
+        comb_plans = [plans[(COMBINE, c)] for c in var.combine]
+
+        err = torch.zeros(4, dtype=torch.int64, pin_memory=True)  # host-mapped: read without a sync
+        err_words = (ctypes.c_uint64 * 4).from_address(err.data_ptr())
+        base = EP_ARGS.ctype()
+        base.rank = cfg.rank
+        base.timeoutNs = int(knobs.ep_timeout_s() * 1e9)
+        base.errWord = err.data_ptr()
+        for pe, ptr in enumerate(arena.peer_bases):
+            base.peerBase[pe] = ptr
+        for name in EP_REGIONS:
+            setattr(base, f"off_{name}", arena.offsets[name])
+        dargs, cargs = EP_ARGS.ctype.from_buffer_copy(base), EP_ARGS.ctype.from_buffer_copy(base)
+
+        cap, hidden, k = EpMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
+        out = arena.view("disp_out", cfg.dispatch_dtype, (cap, hidden))
+        out_w = arena.view("out_wts", torch.float32, (cap, k))
+        out_idx = arena.view("out_idx", torch.int32, (cap, k))
+        recv_src = arena.view("recv_to_src", torch.int32, (cap,))
+        total_recv = arena.view("total_recv", torch.int32, (1,))
+        stage = arena.view("comb_stage", cfg.combine_dtype, (cap, hidden))
+        op_id = id(self)
+
+        def dispatch(v, x, weights, scales, indices):
+            dargs.inpTok = x.data_ptr()
+            dargs.inpWeights = weights.data_ptr() if weights is not None else 0
+            dargs.inpIndices = indices.data_ptr()
+            dargs.numTokens = x.shape[0]
+            disp_plans[v].launch_struct(dargs)
+            return (out, out_w if weights is not None else None, None, out_idx, total_recv,
+                    HipRouting(op_id, x.shape[0], recv_src, total_recv))
+
+        def combine(v, inp, weights, routing):
+            n = routing.num_tokens
+            y = torch.empty((n, hidden), dtype=cfg.combine_dtype, device=dev)
+            y_w = torch.empty((n, k), dtype=torch.float32, device=dev) if weights is not None else None
+            cargs.inpTok = inp.data_ptr()
+            cargs.inpWeights = weights.data_ptr() if weights is not None else 0
+            cargs.outTok = y.data_ptr()
+            cargs.outWeights = y_w.data_ptr() if y_w is not None else 0
+            cargs.numTokens = n
+            cargs.inpRows = inp.shape[0]
+            comb_plans[v].launch_struct(cargs)
+            return y, y_w
+
+        def check():
+            if err_words[0]:
+                raise EpDeviceError(decode_error(list(err_words), cfg.rank) + "; call op.reset() (collective)")
+
+        def reset():
+            torch.cuda.synchronize(dev)
+            dist.barrier(group=self.group)
+            arena.zero(*_SYNC_REGIONS)
+            err.zero_()
+            torch.cuda.synchronize(dev)
+            dist.barrier(group=self.group)
+
+        def close():
+            nonlocal err
+            torch.cuda.synchronize(dev)  # no kernel may still write the error words or the arena
+            err = torch.empty(0)
+
+        return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule, stages_in_kernel=True,
+                         self_resets_counters=True, capabilities=frozenset({"graph", "zero_copy_combine"}),
+                         check=check, reset=reset, staging_view=lambda: stage, close=close)

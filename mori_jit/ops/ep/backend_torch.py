@@ -1,0 +1,53 @@
+"""The ``torch`` backend: EP dispatch/combine on ``torch.distributed`` collectives.
+
+The parity oracle and the baseline users would otherwise write. Runs on any process group (NCCL,
+RCCL, gloo on CPU). It syncs the host (token counts) and cannot be captured in a graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .config import EpDispatchCombineConfig
+from .hip_tuning import Schedule
+from .op import EpDispatchCombineOp, KernelSet
+from .reference import reference_combine, reference_dispatch
+
+__all__ = ["EpDispatchCombineOpTorch"]
+
+
+class EpDispatchCombineOpTorch(EpDispatchCombineOp):
+    """EP op on ``all_to_all_single``; same contract as the ``hip`` backend."""
+
+    def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
+        missing = []
+        if cfg.combine_mode != "gather":
+            missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
+        if cfg.quant_type not in (None, "none"):
+            missing.append(f"quant_type={cfg.quant_type!r} (payloads must arrive already quantized)")
+        return missing
+
+    def _device(self, cfg: EpDispatchCombineConfig) -> torch.device:
+        if dist.get_backend(self.group) == "gloo" or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _regions(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
+        return {}  # buffers come from the collectives; no symmetric arena
+
+    def _build_kernels(self, cfg: EpDispatchCombineConfig, arena) -> KernelSet:
+        group = self.group
+
+        def dispatch(_v, x, weights, scales, indices):
+            w = weights if weights is not None else torch.zeros(indices.shape, dtype=torch.float32, device=x.device)
+            out, out_w, out_s, out_idx, total, routing = reference_dispatch(
+                group, cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
+                x, w, scales, indices, cfg.recv_capacity)
+            return out, (out_w if weights is not None else None), out_s, out_idx, total, routing
+
+        def combine(_v, inp, weights, routing):
+            return reference_combine(group, routing, inp, weights, cfg.combine_dtype)
+
+        return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
+                         stages_in_kernel=False, self_resets_counters=True,
+                         capabilities=frozenset({"scales", "gloo", "nccl"}))

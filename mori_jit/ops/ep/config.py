@@ -1,0 +1,131 @@
+"""``EpDispatchCombineConfig``: what a user asks of the EP op (mirrors mori's v2 op config).
+
+Validation happens at construction and names the field, the value and what is allowed. Which of
+the valid configs a *backend* can serve is the backend's capability gate (``_unsupported``), run by
+the op before any allocation.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+from mori_jit.jit import knobs
+
+__all__ = ["EpDispatchCombineConfig", "DISPATCH_DTYPES", "COMBINE_DTYPES", "BACKENDS", "DEFAULT_BACKEND"]
+
+#: dtypes each leg can carry (fp8/fp4 are moved as bytes; only bf16/fp32 can be summed)
+DISPATCH_DTYPES = tuple(t for t in (torch.bfloat16, torch.float32, getattr(torch, "float8_e4m3fn", None),
+                                    getattr(torch, "float8_e4m3fnuz", None), getattr(torch, "float4_e2m1fn_x2", None),
+                                    torch.uint8) if t is not None)
+COMBINE_DTYPES = (torch.bfloat16, torch.float32)
+BACKENDS = ("hip", "torch")
+DEFAULT_BACKEND = "hip"
+
+
+def _int(name: str, value: Any, lo: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"EpDispatchCombineConfig.{name}={value!r}: expected an int >= {lo}")
+
+
+def _opt_int(name: str, value: Any, lo: int = 1) -> None:
+    if value is not None:
+        _int(name, value, lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpDispatchCombineConfig:
+    """Config of one EP dispatch/combine op. See DESIGN §6 for the semantics of each field.
+
+    ``hidden_dim`` counts elements of the dispatch dtype (bytes for fp4x2, which packs two e2m1
+    per byte). ``dispatch_data_type``/``combine_data_type`` select asymmetric legs and are set
+    together; otherwise both legs use ``data_type``. Geometry pins left ``None`` come from the
+    backend's tuning table. ``schedule`` (optional) replaces the table: a sequence of buckets
+    ``(max_tokens_inclusive | None, dispatch_blocks, dispatch_warps, combine_blocks, combine_warps)``.
+    """
+
+    rank: int
+    world_size: int
+    hidden_dim: int
+    max_num_inp_token_per_rank: int
+    num_experts_per_rank: int
+    num_experts_per_token: int
+    data_type: torch.dtype = torch.bfloat16
+    dispatch_data_type: Optional[torch.dtype] = None
+    combine_data_type: Optional[torch.dtype] = None
+    scale_dim: int = 0
+    scale_type_size: int = 0
+    combine_mode: str = "gather"
+    quant_type: Optional[str] = None
+    dispatch_block_num: Optional[int] = None
+    combine_block_num: Optional[int] = None
+    warp_num_per_block: Optional[int] = None
+    combine_warp_num_per_block: Optional[int] = None
+    schedule: Optional[Sequence[tuple]] = None
+    max_total_recv_tokens: int = 0
+    gpu_per_node: int = 8
+    kernel_backend: Optional[str] = None
+
+    def __post_init__(self):
+        _int("world_size", self.world_size, 1)
+        _int("rank", self.rank)
+        if self.rank >= self.world_size:
+            raise ValueError(f"EpDispatchCombineConfig.rank={self.rank}: expected 0 <= rank < world_size={self.world_size}")
+        for f in ("hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank", "num_experts_per_token",
+                  "gpu_per_node"):
+            _int(f, getattr(self, f), 1)
+        for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens"):
+            _int(f, getattr(self, f), 0)
+        for f in ("dispatch_block_num", "combine_block_num", "warp_num_per_block", "combine_warp_num_per_block"):
+            _opt_int(f, getattr(self, f))
+        if (self.dispatch_data_type is None) != (self.combine_data_type is None):
+            raise ValueError("EpDispatchCombineConfig: dispatch_data_type and combine_data_type are set together "
+                             f"(got {self.dispatch_data_type} and {self.combine_data_type})")
+        if self.dispatch_dtype not in DISPATCH_DTYPES:
+            raise ValueError(f"EpDispatchCombineConfig.dispatch dtype {self.dispatch_dtype}: allowed {list(DISPATCH_DTYPES)}")
+        if self.combine_dtype not in COMBINE_DTYPES:
+            raise ValueError(f"EpDispatchCombineConfig.combine dtype {self.combine_dtype}: combine sums, so it must be "
+                             f"one of {list(COMBINE_DTYPES)} (byte dtypes can be dispatched, not combined)")
+        if self.combine_mode not in ("gather", "scatter"):
+            raise ValueError(f"EpDispatchCombineConfig.combine_mode={self.combine_mode!r}: allowed 'gather', 'scatter'")
+        if self.max_total_recv_tokens and self.max_total_recv_tokens < self.world_size * self.max_num_inp_token_per_rank:
+            raise ValueError(f"EpDispatchCombineConfig.max_total_recv_tokens={self.max_total_recv_tokens}: must be 0 or "
+                             f">= world_size*max_num_inp_token_per_rank = "
+                             f"{self.world_size * self.max_num_inp_token_per_rank} (the worst case)")
+        if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
+            raise ValueError(f"EpDispatchCombineConfig.kernel_backend={self.kernel_backend!r}: allowed {BACKENDS}")
+        if self.schedule is not None:
+            for b in self.schedule:
+                if len(b) != 5 or not all(isinstance(v, int) and v >= 1 for v in b[1:]) or \
+                        not (b[0] is None or (isinstance(b[0], int) and b[0] >= 1)):
+                    raise ValueError(f"EpDispatchCombineConfig.schedule bucket {b!r}: expected "
+                                     f"(max_tokens|None, disp_blocks, disp_warps, comb_blocks, comb_warps), ints >= 1")
+
+    @property
+    def dispatch_dtype(self) -> torch.dtype:
+        return self.dispatch_data_type or self.data_type
+
+    @property
+    def combine_dtype(self) -> torch.dtype:
+        return self.combine_data_type or self.data_type
+
+    @property
+    def recv_capacity(self) -> int:
+        """Rows of the receive buffer (= the flat-index stride)."""
+        return self.max_total_recv_tokens or self.world_size * self.max_num_inp_token_per_rank
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_experts_per_rank * self.world_size
+
+    @property
+    def is_internode(self) -> bool:
+        return self.gpu_per_node < self.world_size
+
+    def backend(self) -> str:
+        """``kernel_backend`` → ``MORI_V2_KERNEL_BACKEND`` → ``hip``."""
+        name = self.kernel_backend or knobs.kernel_backend() or DEFAULT_BACKEND
+        if name not in BACKENDS:
+            raise ValueError(f"MORI_V2_KERNEL_BACKEND={name!r}: allowed {BACKENDS}")
+        return name

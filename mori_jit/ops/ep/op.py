@@ -1,0 +1,218 @@
+"""``EpDispatchCombineOp``: the backend-independent EP op.
+
+The base class owns ``dispatch``/``combine``/``_pick``/validation/lifecycle, once. A backend
+supplies three things: ``_regions(cfg)`` (arena region sizes; empty = no arena),
+``_build_kernels(cfg, arena)`` (a :class:`KernelSet`) and ``_unsupported(cfg)`` (what it cannot do).
+Behaviour differences are data on the KernelSet, not overrides. ``EpDispatchCombineOp(cfg, group)``
+returns the backend's subclass, importing only that backend.
+
+Order (DESIGN §6): process group → capability gate → arena → every variant compiled → launches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .arena import SymmArena
+from .config import EpDispatchCombineConfig
+from .hip_tuning import Schedule
+
+__all__ = ["EpDispatchCombineOp", "KernelSet", "EpUnsupportedError", "EpDeviceError"]
+
+_BACKENDS = {"hip": "mori_jit.ops.ep.backend_hip:EpDispatchCombineOpHip",
+             "torch": "mori_jit.ops.ep.backend_torch:EpDispatchCombineOpTorch"}
+
+
+class EpUnsupportedError(NotImplementedError):
+    """The chosen backend cannot serve this config; the message lists everything missing."""
+
+
+class EpDeviceError(RuntimeError):
+    """A kernel recorded an error (a timed-out wait, a short combine input); the op needs ``reset()``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """What a backend built. Callables take a bucket index first (see :meth:`EpDispatchCombineOp._pick`).
+
+    ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``;
+    ``combine(v, inp, weights, routing)`` → ``(y, y_w)``.
+    """
+
+    dispatch: Callable[..., tuple]
+    combine: Callable[..., tuple]
+    schedule: Schedule
+    stages_in_kernel: bool  # combine copies the expert output into staging inside the kernel
+    self_resets_counters: bool  # no host work between rounds (graph-capturable)
+    capabilities: frozenset[str]
+    check: Callable[[], None] = lambda: None
+    reset: Callable[[], None] = lambda: None
+    staging_view: Optional[Callable[[], torch.Tensor]] = None
+    close: Callable[[], None] = lambda: None
+
+
+def _backend_class(name: str) -> type:
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _expect(name: str, t: Any, dtype, shape: tuple, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+class EpDispatchCombineOp:
+    """Expert-parallel dispatch/combine over ``group`` (None = WORLD). Collective to construct.
+
+    Use as a context manager or call :meth:`close` to release the arena.
+    """
+
+    def __new__(cls, cfg: EpDispatchCombineConfig, group=None):
+        if cls is EpDispatchCombineOp:
+            cls = _backend_class(cfg.backend())
+        return super().__new__(cls)
+
+    # -- backend hooks ---------------------------------------------------------------------------
+    def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
+        raise NotImplementedError
+
+    def _regions(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
+        raise NotImplementedError
+
+    def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
+        raise NotImplementedError
+
+    def _device(self, cfg: EpDispatchCombineConfig) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def __init__(self, cfg: EpDispatchCombineConfig, group=None):
+        if not isinstance(cfg, EpDispatchCombineConfig):
+            raise TypeError(f"cfg: expected an EpDispatchCombineConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.group = group if group is not None else dist.group.WORLD
+        ws, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if (ws, rank) != (cfg.world_size, cfg.rank):
+            raise ValueError(f"cfg says rank {cfg.rank} of {cfg.world_size}, the process group says {rank} of {ws}")
+        missing = self._unsupported(cfg)
+        if missing:  # before any allocation
+            raise EpUnsupportedError(f"backend {type(self).__name__} does not support: {'; '.join(missing)}")
+        self.device = self._device(cfg)
+        regions = self._regions(cfg)
+        self.arena = SymmArena.create(regions, self.group, self.device) if regions else None
+        self._kernels = self._build_kernels(cfg, self.arena)
+        self._closed = False
+
+    def close(self) -> None:
+        """Release the arena and the kernels' state (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._kernels.close()
+        if self.arena is not None:
+            self.arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def kernels(self) -> KernelSet:
+        return self._kernels
+
+    def _live(self) -> KernelSet:
+        if self._closed:
+            raise RuntimeError("EpDispatchCombineOp is closed")
+        self._kernels.check()
+        return self._kernels
+
+    def check(self) -> None:
+        """Raise :class:`EpDeviceError` if a kernel recorded an error (no host sync)."""
+        self._live()
+
+    def reset(self) -> None:
+        """Collective: wait for the device, clear counters, flags and errors on every rank."""
+        if self._closed:
+            raise RuntimeError("EpDispatchCombineOp is closed")
+        self._kernels.reset()
+
+    def _pick(self, num_tokens: int) -> int:
+        """Bucket index for a token count: a lookup among already-compiled variants, never a compile."""
+        return self._kernels.schedule.index(num_tokens)
+
+    def get_combine_input_buffer(self) -> torch.Tensor:
+        """The symmetric staging view ``[recv_capacity, hidden]`` (combine dtype).
+
+        An expert that writes its output here lets ``combine(buffer, ...)`` skip the staging copy.
+        Its contents are overwritten by the next combine's staging; rows beyond ``total_recv`` are
+        ignored.
+        """
+        k = self._live()
+        if k.staging_view is None:
+            raise EpUnsupportedError(f"{type(self).__name__} has no symmetric staging buffer")
+        return k.staging_view()
+
+    # -- the op ----------------------------------------------------------------------------------
+    def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
+                 indices: torch.Tensor, *, routing=None, return_routing: bool = False):
+        """Send each token to the ranks of its top-k experts (once per distinct rank).
+
+        Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
+        ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
+        valid, in arrival order; ``total_recv`` is a 1-element int32 device tensor (no host sync).
+        """
+        k = self._live()
+        cfg = self.cfg
+        if routing is not None:
+            raise EpUnsupportedError("routing replay (dispatch(routing=...)) is not supported")
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+        n = input.shape[0] if input.dim() == 2 else -1
+        if n > cfg.max_num_inp_token_per_rank:
+            raise ValueError(f"input: {n} tokens exceed max_num_inp_token_per_rank={cfg.max_num_inp_token_per_rank}")
+        _expect("input", input, cfg.dispatch_dtype, (None, cfg.hidden_dim), self.device)
+        if weights is not None:
+            _expect("weights", weights, torch.float32, (n, cfg.num_experts_per_token), self.device)
+        if scales is not None:
+            if "scales" not in k.capabilities:
+                raise EpUnsupportedError("per-token scales are not supported by this backend")
+            _expect("scales", scales, scales.dtype, (n, cfg.scale_dim), self.device)
+        _expect("indices", indices, torch.int32, (n, cfg.num_experts_per_token), self.device)
+        res = k.dispatch(self._pick(n), input, weights, scales, indices)
+        return res if return_routing else res[:5]
+
+    def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                indices: Optional[torch.Tensor] = None, *, routing):
+        """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
+
+        ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
+        Returns ``(out [n, hidden], out_weights [n, k] | None)``.
+        """
+        k = self._live()
+        cfg = self.cfg
+        if routing is None or getattr(routing, "op_id", None) not in (None, id(self)):
+            raise ValueError("routing: expected the routing returned by this op's dispatch(return_routing=True)")
+        if not isinstance(input, torch.Tensor) or input.dim() != 2:
+            raise ValueError(f"input: expected a 2-D tensor [rows, {cfg.hidden_dim}]")
+        rows = input.shape[0]
+        if rows > cfg.recv_capacity:
+            raise ValueError(f"input: {rows} rows exceed the receive capacity {cfg.recv_capacity}")
+        _expect("input", input, cfg.combine_dtype, (rows, cfg.hidden_dim), self.device)
+        if weights is not None:
+            _expect("weights", weights, torch.float32, (rows, cfg.num_experts_per_token), self.device)
+        return k.combine(self._pick(routing.num_tokens), input, weights, routing)

@@ -1,0 +1,65 @@
+"""The EP kernel variants a live ``hip`` op builds — shared by the op and by ``mori-jit precompile``.
+
+Walking the same schedule and the same :func:`~mori_jit.ops.ep.cfg.make_ep_cfg` as the live op is
+what makes precompile produce exactly the binaries the op will ask for.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
+from .config import EpDispatchCombineConfig
+from .hip_tuning import Schedule, lookup, schedule_from_buckets
+
+__all__ = ["EpVariants", "ep_variants", "DEFAULT_NUM_CUS", "ep_dtype"]
+
+#: CU/SM counts used when no device is present (precompile); the live op reads the device.
+DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
+                   "gfx942": 304, "gfx950": 256}
+
+
+def ep_dtype(torch_dtype) -> EpDType:
+    """The EpDType tag of a torch dtype (uint8 carries fp4x2 pairs)."""
+    return EpDType.coerce(torch_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpVariants:
+    """The schedule and, per bucket, the dispatch and combine EpCfg it launches."""
+
+    schedule: Schedule
+    dispatch: tuple[EpCfg, ...]
+    combine: tuple[EpCfg, ...]
+
+    def all_cfgs(self) -> list[tuple[str, EpCfg]]:
+        """Distinct (kind, cfg) pairs — the set of binaries to compile."""
+        out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine])
+        return list(out)
+
+
+def _schedule(cfg: EpDispatchCombineConfig, num_cus: int) -> Schedule:
+    if cfg.schedule is not None:
+        disp = [(b[0], b[1], b[2]) for b in cfg.schedule]
+        comb = [(b[0], b[3], b[4]) for b in cfg.schedule]
+        return schedule_from_buckets(disp, comb, num_cus)
+    base = lookup(ep_dtype(cfg.dispatch_dtype).name.lower(), cfg.world_size, cfg.hidden_dim,
+                  cfg.num_experts_per_token, cfg.num_experts_per_rank, num_cus)
+    pin = lambda geo, blocks, warps: (min(blocks, num_cus) if blocks else geo[0], warps or geo[1])  # noqa: E731
+    return Schedule(base.edges,
+                    tuple(pin(g, cfg.dispatch_block_num, cfg.warp_num_per_block) for g in base.dispatch),
+                    tuple(pin(g, cfg.combine_block_num, cfg.combine_warp_num_per_block) for g in base.combine))
+
+
+def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVariants:
+    """Every EpCfg the op for ``cfg`` on ``arch`` (with ``num_cus`` CUs/SMs) launches, by bucket."""
+    sched = _schedule(cfg, num_cus)
+    common = {"worldSize": cfg.world_size, "hiddenDim": cfg.hidden_dim, "maxTokPerRank": cfg.max_num_inp_token_per_rank,
+              "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
+              "maxRecv": cfg.max_total_recv_tokens}
+
+    def leg(kind, dtype, geos):
+        return tuple(make_ep_cfg(kind, arch, {**common, "dtype": ep_dtype(dtype), "blockNum": b, "warpPerBlock": w})
+                     for b, w in geos)
+
+    return EpVariants(sched, leg(DISPATCH, cfg.dispatch_dtype, sched.dispatch),
+                      leg(COMBINE, cfg.combine_dtype, sched.combine))
