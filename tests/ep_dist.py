@@ -9,6 +9,7 @@ instead of blocking CI. ``fn`` must be a module-level (picklable) function.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import sys
@@ -29,20 +30,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, args: tuple) -> None:
+def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, args: tuple,
+            backend: str = "gloo") -> None:
     # Keep gloo on loopback: container hostnames often resolve to unreachable addresses.
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Several processes share few cores; intra-op threads would only oversubscribe them.
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         # A collective whose peer died errors out instead of waiting forever.
         timeout=datetime.timedelta(seconds=timeout),
     )
+    # A hang dumps every thread's stack shortly before the parent's deadline kills the worker.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 15), exit=False)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -64,8 +70,10 @@ def _drain(errors) -> str:
     return "\n".join(f"--- rank {rank} ---\n{tb}" for _, rank, tb in reports)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes and wait for all.
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes and wait for all.
+
+    ``backend`` is the process-group backend: ``gloo`` (CPU) or ``nccl`` (rank r uses GPU r).
 
     Raises:
         AssertionError: a worker raised or died; the message holds every reported traceback,
@@ -74,7 +82,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     """
     port = free_port()
     errors = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.spawn(_worker, args=(fn, world_size, port, timeout, errors, args),
+    ctx = mp.spawn(_worker, args=(fn, world_size, port, timeout, errors, args, backend),
                    nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout
     name = getattr(fn, "__name__", repr(fn))

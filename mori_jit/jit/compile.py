@@ -117,10 +117,13 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
         _log(f"lock {lock_path} still held after {knobs.lock_timeout_s()}s; compiling anyway")
         locked = False
     try:
+        # Look before verifying: an entry that appears between the two checks was just published by
+        # another process (whose lock wait timed out) and must not be taken for a corrupt one.
+        existed = res.path.exists()
         entry = cache.verify_entry(res.path)  # another process may have built it meanwhile
         if entry is not None:
             return entry
-        if res.path.exists():
+        if existed:
             _log(f"corrupt entry {res.path}: rebuilding")
             cache.discard(res.path)
         _log(f"compiling {res.entry_name} for {toolchain.arch}")

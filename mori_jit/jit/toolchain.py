@@ -102,6 +102,12 @@ def _find_compiler(vendor: str) -> str:
         tried = [knobs.nvcc_path(), os.path.join(home, "bin", "nvcc") if home else None,
                  "/usr/local/cuda/bin/nvcc", shutil.which("nvcc")]
         var = "MORI_JIT_NVCC"
+    explicit = tried[0]
+    if explicit and os.sep not in explicit:  # a bare name: look it up on PATH
+        explicit = tried[0] = shutil.which(explicit) or explicit
+    if explicit and not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+        # An explicit choice that does not work is an error, not a silent fallback to another compiler.
+        raise ToolchainError(f"{var}={explicit} is not an executable file")
     for c in tried:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return os.path.abspath(c)
@@ -120,7 +126,9 @@ def _signature(compiler: str, mtime_ns: int, vendor: str) -> str:
         raise ToolchainError(f"{compiler} --version failed: {e}") from None
     if p.returncode != 0:
         raise ToolchainError(f"{compiler} --version exited {p.returncode}: {p.stderr.strip()[:500]}")
-    return p.stdout + p.stderr
+    # stdout only: Debian's hipcc also prints a rocm_agent_enumerator traceback on stderr when no GPU
+    # is visible, which would give a GPU-less build machine different keys for the same compiler.
+    return p.stdout if p.stdout.strip() else p.stderr
 
 
 def make_toolchain(arch: str) -> Toolchain:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mori_jit.jit import knobs
-from mori_jit.jit.plan import Plan
+from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
@@ -88,7 +88,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
         assert arena is not None
         var, tc, dev = self._variants, self._toolchain, self.device
-        plans = {(kind, c): Plan.prepare(_SPEC[kind], c, tc, dev) for kind, c in var.all_cfgs()}
+        plans = {(kind, c): prepare(_SPEC[kind], c, tc, dev) for kind, c in var.all_cfgs()}
         disp_plans = [plans[(DISPATCH, c)] for c in var.dispatch]
         comb_plans = [plans[(COMBINE, c)] for c in var.combine]
 

@@ -39,6 +39,8 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
 def _bytes2d(t: torch.Tensor) -> torch.Tensor:
     """Raw bytes of a 2-D tensor, one uint8 row per tensor row."""
     rows, cols = t.shape
+    if t.numel() == 0:  # empty tensors may carry stride 0, which a dtype view rejects
+        return torch.empty((rows, cols * t.element_size()), dtype=torch.uint8, device=t.device)
     return t.contiguous().view(torch.uint8).reshape(rows, cols * t.element_size())
 
 

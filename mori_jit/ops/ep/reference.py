@@ -61,6 +61,8 @@ class TorchRouting:
 def _row_bytes(t: torch.Tensor) -> torch.Tensor:
     """View a 2-D tensor ``[rows, C]`` as its raw bytes ``[rows, C * element_size]`` (uint8)."""
     rows, cols = t.shape
+    if t.numel() == 0:  # empty tensors may carry stride 0, which a dtype view rejects
+        return torch.empty((rows, cols * t.element_size()), dtype=torch.uint8, device=t.device)
     return t.contiguous().view(torch.uint8).reshape(rows, cols * t.element_size())
 
 
@@ -68,6 +70,8 @@ def _from_row_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Ten
     """Inverse of :func:`_row_bytes`: reinterpret ``[rows, cols * elsize]`` bytes as ``dtype``."""
     # .contiguous() because b is usually a column slice of a packed buffer, and a dtype view
     # needs a dense last dimension and aligned row strides.
+    if b.numel() == 0:
+        return torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
     return b.contiguous().view(dtype).reshape(b.shape[0], cols)
 
 

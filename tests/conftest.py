@@ -1,0 +1,89 @@
+"""Shared fixtures of the CPU tests.
+
+* every test that is not marked ``gpu`` gets its own ``MORI_JIT_CACHE_DIR`` (under ``tmp_path``),
+  a freshly reset process toolchain and compiler-signature memo, and none of the knobs that change
+  keys or behaviour (``MORI_JIT_ARCH``, ``MORI_JIT_EXTRA_FLAGS``, ``MORI_DEVICE_NIC``,
+  ``MORI_SOURCE_ROOT``, ``MORI_JIT_KEEP_FAILED``, ``MORI_JIT_VERBOSE``, ``MORI_V2_EP_*``) inherited
+  from the shell;
+* ``fake_cc``: the fake compiler (``tests/fake_compiler.py``) as both nvcc and hipcc;
+* ``src_copy``: a private copy of ``kernels/`` and ``templates/`` used through ``MORI_SOURCE_ROOT``.
+
+The ``gpu`` marker is registered in ``pyproject.toml``; gpu tests skip themselves without a GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from mori_jit.jit import toolchain as _toolchain
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+FAKE_NVCC = TESTS / "bin" / "fake-nvcc"
+FAKE_HIPCC = TESTS / "bin" / "fake-hipcc"
+
+_SCRUB = ("MORI_JIT_ARCH", "MORI_JIT_EXTRA_FLAGS", "MORI_DEVICE_NIC", "MORI_SOURCE_ROOT", "MORI_JIT_KEEP_FAILED",
+          "MORI_JIT_VERBOSE", "MORI_JIT_LOCK_TIMEOUT_S")
+
+
+def _reset_toolchain() -> None:
+    _toolchain._reset_for_tests()
+    _toolchain._signature.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_jit(request, monkeypatch, tmp_path):
+    if request.node.get_closest_marker("gpu") is not None:
+        yield  # gpu tests run under the caller's environment (and shared cache)
+        return
+    monkeypatch.setenv("MORI_JIT_CACHE_DIR", str(tmp_path / "jit-cache"))
+    for name in _SCRUB:
+        monkeypatch.delenv(name, raising=False)
+    for name in [k for k in os.environ if k.startswith("MORI_V2_EP_") or k.startswith("FAKE_CC_")]:
+        monkeypatch.delenv(name, raising=False)
+    _reset_toolchain()
+    yield
+    _reset_toolchain()
+
+
+class FakeCC:
+    """Handle on the fake toolchain: its paths and the log of its invocations."""
+
+    def __init__(self, log: Path):
+        self.nvcc, self.hipcc, self.log_path = FAKE_NVCC, FAKE_HIPCC, log
+
+    def calls(self) -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        return [json.loads(ln) for ln in self.log_path.read_text().splitlines() if ln.strip()]
+
+    def compiles(self) -> list[dict]:
+        """Invocations other than ``--version``."""
+        return [c for c in self.calls() if "--version" not in c["argv"]]
+
+
+@pytest.fixture
+def fake_cc(monkeypatch, tmp_path) -> FakeCC:
+    """Point MORI_JIT_NVCC / MORI_JIT_HIPCC at the fake compiler (log in ``tmp_path/fake-cc.log``)."""
+    log = tmp_path / "fake-cc.log"
+    monkeypatch.setenv("MORI_JIT_NVCC", str(FAKE_NVCC))
+    monkeypatch.setenv("MORI_JIT_HIPCC", str(FAKE_HIPCC))
+    monkeypatch.setenv("FAKE_CC_PYTHON", sys.executable)
+    monkeypatch.setenv("FAKE_CC_LOG", str(log))
+    _reset_toolchain()
+    return FakeCC(log)
+
+
+@pytest.fixture
+def src_copy(monkeypatch, tmp_path) -> Path:
+    """A copy of the source tree (``kernels/``, ``templates/``) selected with MORI_SOURCE_ROOT."""
+    root = tmp_path / "src-root"
+    for d in ("kernels", "templates"):
+        shutil.copytree(REPO / d, root / d)
+    monkeypatch.setenv("MORI_SOURCE_ROOT", str(root))
+    return root

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""A fake device compiler for the CPU tests: behaves like nvcc/hipcc on the command line.
+
+Invoked through the shims ``tests/bin/fake-nvcc`` and ``tests/bin/fake-hipcc`` (point the toolchain
+at them with ``MORI_JIT_NVCC`` / ``MORI_JIT_HIPCC``). Stdlib only.
+
+* ``--version`` prints ``$FAKE_CC_VERSION`` (default ``fake-cc 1.0``) and exits 0.
+* Otherwise it parses ``-o OUT`` and the source (the last argument that is not an option or an
+  option's value), and writes ``OUT`` = ``b"FAKEBIN\\n" + sha256(source).hex + b"\\n" + source``, so
+  the output is a function of the input and the entry symbol name appears in it.
+* ``FAKE_CC_FAIL=msg``: print ``msg`` on stderr and exit 1 (writes nothing).
+* ``FAKE_CC_SLEEP=seconds``: sleep that long before writing.
+* ``FAKE_CC_DIE=1``: write half of the output, then SIGKILL itself.
+* ``FAKE_CC_LOG=path``: append one JSON line per invocation (argv, cwd, ``HIP_PLATFORM``, pid).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+_WITH_VALUE = {"-o", "-x", "-I", "-D", "-include", "--offload-arch", "-gencode", "-arch", "-code"}
+
+
+def output_for(source: bytes) -> bytes:
+    """What the fake writes for ``source`` (tests recompute it to check a binary)."""
+    return b"FAKEBIN\n" + hashlib.sha256(source).hexdigest().encode() + b"\n" + source
+
+
+def _log(argv: list[str]) -> None:
+    path = os.environ.get("FAKE_CC_LOG")
+    if not path:
+        return
+    rec = {"argv": argv, "cwd": os.getcwd(), "HIP_PLATFORM": os.environ.get("HIP_PLATFORM"), "pid": os.getpid()}
+    with open(path, "a") as f:  # one short write per line: O_APPEND keeps concurrent lines whole
+        f.write(json.dumps(rec) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    _log(argv)
+    if "--version" in argv:
+        print(os.environ.get("FAKE_CC_VERSION", "fake-cc 1.0 (mori-jit tests)"))
+        return 0
+    out = src = None
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-o":
+            out = argv[i + 1] if i + 1 < len(argv) else None
+            i += 2
+            continue
+        if a in _WITH_VALUE:
+            i += 2
+            continue
+        if not a.startswith("-"):
+            src = a
+        i += 1
+    if out is None or src is None:
+        print("fake-cc: error: need -o OUT and a source file", file=sys.stderr)
+        return 2
+    if not os.path.isfile(src):
+        print(f"fake-cc: error: no such file: {src}", file=sys.stderr)
+        return 2
+    msg = os.environ.get("FAKE_CC_FAIL")
+    if msg:
+        print(msg, file=sys.stderr)
+        return 1
+    delay = float(os.environ.get("FAKE_CC_SLEEP") or 0)
+    if delay > 0:
+        time.sleep(delay)
+    with open(src, "rb") as f:
+        data = output_for(f.read())
+    with open(out, "wb") as f:
+        if os.environ.get("FAKE_CC_DIE") not in (None, "", "0"):
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        f.write(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,179 @@
+"""CPU tests of the EP op: the torch backend on gloo through the public API, the capability gate,
+config errors, the tuning lookup, and EpCfg construction."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ep_dist import run_distributed
+
+from mori_jit.jit.fields import ConfigError
+from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
+from mori_jit.ops.ep import hip_tuning
+from mori_jit.ops.ep.cfg import COMBINE, DISPATCH, EpDType, make_ep_cfg
+from mori_jit.ops.ep.variants import ep_variants
+
+FP8 = torch.float8_e4m3fn
+
+
+def _op_job(rank, ws):
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+
+    gen = torch.Generator().manual_seed(31 + rank)
+    cpu = torch.device("cpu")
+    m, hidden = 24, 64
+    for k in (1, 8):
+        cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=hidden, max_num_inp_token_per_rank=m,
+                                      num_experts_per_rank=4, num_experts_per_token=k, kernel_backend="torch")
+        with EpDispatchCombineOp(cfg) as op:
+            assert type(op).__name__ == "EpDispatchCombineOpTorch" and isinstance(op, EpDispatchCombineOp)
+            for n, drop, all_to in ((m, 0.0, None), (0, 0.0, None), (m - 3 * rank, 0.4, None), (m, 0.0, 0)):
+                x, w, idx = make_inputs(rank, n, hidden, k, cfg.num_experts, torch.bfloat16, cpu, gen,
+                                        drop_frac=drop, all_to_rank=all_to, world_size=ws)
+                out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+                assert out.shape == (cfg.recv_capacity, hidden) and total.dtype == torch.int32
+                y, y_w = op.combine(out, weights=out_w, routing=routing)
+                golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, x, w, idx, out, out_w, out_idx,
+                             total, routing.recv_src, y, y_w)
+    # asymmetric legs: fp8 moved as bytes, bf16 combined
+    cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=hidden, max_num_inp_token_per_rank=m,
+                                  num_experts_per_rank=4, num_experts_per_token=4, dispatch_data_type=FP8,
+                                  combine_data_type=torch.bfloat16, kernel_backend="torch")
+    with EpDispatchCombineOp(cfg) as op:
+        x, w, idx = make_inputs(rank, m, hidden, 4, cfg.num_experts, FP8, cpu, gen)
+        out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        golden_check(op.group, rank, ws, m, 4, x, w, idx, out, out_w, out_idx, total, routing.recv_src, None, None)
+        # input validation names the argument; nothing is sent for a rejected call
+        with pytest.raises(TypeError, match="indices: expected dtype torch.int32"):
+            op.dispatch(x, w, None, idx.long())
+        with pytest.raises(ValueError, match="exceed max_num_inp_token_per_rank"):
+            op.dispatch(torch.cat([x, x]), w, None, idx)
+        with pytest.raises(TypeError, match="input: expected dtype"):
+            op.dispatch(x.view(torch.uint8).to(torch.bfloat16), w, None, idx)
+        with pytest.raises(ValueError, match="weights: expected shape"):
+            op.dispatch(x, w[:, :2].contiguous(), None, idx)
+        with pytest.raises(ValueError, match="contiguous"):
+            op.dispatch(x, w, None, idx.t().contiguous().t())
+        # the op still works after rejected calls
+        out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        golden_check(op.group, rank, ws, m, 4, x, w, idx, out, out_w, out_idx, total, routing.recv_src, None, None)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_torch_backend_golden(ws):
+    run_distributed(_op_job, ws, timeout=240)
+
+
+def _gate_job(rank, ws):
+    cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=64, max_num_inp_token_per_rank=8,
+                                  num_experts_per_rank=4, num_experts_per_token=2, combine_mode="scatter",
+                                  quant_type="fp8_blockwise", scale_dim=4, scale_type_size=4, kernel_backend="hip")
+    with pytest.raises(EpUnsupportedError) as e:
+        EpDispatchCombineOp(cfg)
+    msg = str(e.value)
+    for what in ("combine_mode='scatter'", "quant_type='fp8_blockwise'", "per-token scales"):
+        assert what in msg, msg
+    with pytest.raises(EpUnsupportedError, match="combine_mode"):
+        EpDispatchCombineOp(EpDispatchCombineConfig(
+            rank=0, world_size=1, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=4,
+            num_experts_per_token=2, combine_mode="scatter", kernel_backend="torch"))
+    with pytest.raises(ValueError, match="rank 3 of 4"):
+        EpDispatchCombineOp(EpDispatchCombineConfig(
+            rank=3, world_size=4, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=4,
+            num_experts_per_token=2, kernel_backend="torch"))
+
+
+def test_capability_gate_lists_everything_before_allocating():
+    run_distributed(_gate_job, 1, timeout=60)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("world_size", 0, "world_size=0"),
+    ("hidden_dim", -1, "hidden_dim=-1"),
+    ("combine_mode", "sum", "combine_mode='sum'"),
+    ("kernel_backend", "flydsl", "kernel_backend='flydsl'"),
+    ("max_total_recv_tokens", 5, "max_total_recv_tokens=5"),
+    ("data_type", torch.float16, "allowed"),
+    ("dispatch_data_type", FP8, "set together"),
+    ("dispatch_block_num", 0, "dispatch_block_num=0"),
+    ("schedule", [(None, 1, 2)], "schedule bucket"),
+])
+def test_config_errors_name_the_field(field, value, match):
+    base = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=4,
+                num_experts_per_token=2)
+    with pytest.raises(ValueError, match=match):
+        EpDispatchCombineConfig(**{**base, field: value})
+
+
+def test_combine_refuses_byte_dtypes():
+    with pytest.raises(ValueError, match="combine sums"):
+        EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=8,
+                                num_experts_per_rank=4, num_experts_per_token=2, data_type=FP8)
+    with pytest.raises(ConfigError, match="cannot be summed"):
+        make_ep_cfg(COMBINE, "sm_90a", {"worldSize": 2, "dtype": "fp8"})
+
+
+@pytest.mark.parametrize("request_,rule", [
+    ({"hiddenDim": 7}, "multiple of 16"),
+    ({"worldSize": 9}, "worldSize must be <= 8"),
+    ({"numExpertPerToken": 33}, "topk"),
+    ({"maxRecv": 3, "worldSize": 2}, "worst case"),
+    ({"warpPerBlock": 40}, "<= 1024"),
+])
+def test_ep_cfg_validity_is_a_construction_error(request_, rule):
+    with pytest.raises(ConfigError, match=rule):
+        make_ep_cfg(DISPATCH, "sm_90a", request_)
+
+
+def test_make_ep_cfg_env_overrides(monkeypatch):
+    monkeypatch.setenv("MORI_V2_EP_BLOCK_NUM", "24")
+    monkeypatch.setenv("MORI_V2_EP_COMBINE_WARP_PER_BLOCK", "4")
+    d = make_ep_cfg(DISPATCH, "gfx942", {"worldSize": 8, "blockNum": 80})
+    c = make_ep_cfg(COMBINE, "gfx942", {"worldSize": 8})
+    assert (d.blockNum, d.warpPerBlock, d.waveSize) == (24, 16, 64)
+    assert (c.blockNum, c.warpPerBlock) == (24, 4)
+    assert make_ep_cfg(DISPATCH, "sm_90a", {"worldSize": 2}).waveSize == 32
+    monkeypatch.setenv("MORI_V2_EP_BLOKNUM", "3")
+    with pytest.raises(ConfigError, match="MORI_V2_EP_BLOKNUM"):
+        make_ep_cfg(DISPATCH, "sm_90a", {})
+
+
+def test_tuning_lookup_merges_misaligned_edges_and_clamps(monkeypatch):
+    key = (2, 7168, 8, None)
+    monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "bf16", {key: [(128, 32, 8), (1024, 64, 16), (None, 132, 16)]})
+    monkeypatch.setattr(hip_tuning, "COMBINE_TABLE", {key: [(256, 16, 8), (None, 200, 4)]})
+    s = hip_tuning.lookup("bf16", 2, 7168, 8, 128, num_cus=132)
+    assert s.edges == (128, 256, 1024, None)
+    assert s.dispatch == ((32, 8), (64, 16), (64, 16), (132, 16))
+    assert s.combine == ((16, 8), (16, 8), (132, 4), (132, 4))  # 200 clamped to 132 SMs
+    assert [s.index(n) for n in (0, 128, 129, 256, 257, 1024, 1025, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # a dtype whose dispatch is unswept: default dispatch, but combine is dtype-free
+    d = hip_tuning.lookup("fp8", 2, 7168, 8, 128, num_cus=132)
+    assert d.edges == (256, None) and d.dispatch == (hip_tuning.DEFAULT_DISPATCH,) * 2
+    assert d.combine == ((16, 8), (132, 4))
+    # an unswept shape: the single default
+    u = hip_tuning.lookup("bf16", 4, 4096, 8, 128, num_cus=132)
+    assert u.edges == (None,) and u.dispatch == (hip_tuning.DEFAULT_DISPATCH,)
+    assert u.combine == (hip_tuning.DEFAULT_COMBINE,)
+    # experts_per_rank is a wildcard in this entry but an exact key wins
+    monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "bf16", {key: [(None, 8, 8)], (2, 7168, 8, 64): [(None, 4, 4)]})
+    assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 64, 132).dispatch) == {(4, 4)}
+    assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 128, 132).dispatch) == {(8, 8)}
+
+
+def test_variants_follow_schedule_and_pins():
+    cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=4096,
+                                  num_experts_per_rank=128, num_experts_per_token=8, data_type=torch.bfloat16,
+                                  schedule=[(128, 16, 8, 8, 8), (None, 132, 16, 200, 8)])
+    v = ep_variants(cfg, "sm_90a", 132)
+    assert [(c.blockNum, c.warpPerBlock) for c in v.dispatch] == [(16, 8), (132, 16)]
+    assert [(c.blockNum, c.warpPerBlock) for c in v.combine] == [(8, 8), (132, 8)]
+    assert all(c.dtype == EpDType.Bf16 and c.waveSize == 32 and c.maxTokPerRank == 4096 for c in v.dispatch)
+    pinned = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64,
+                                     num_experts_per_rank=8, num_experts_per_token=8, dispatch_block_num=500,
+                                     warp_num_per_block=4)
+    v = ep_variants(pinned, "gfx942", 304)
+    assert [(c.blockNum, c.warpPerBlock, c.waveSize) for c in v.dispatch] == [(304, 4, 64)]
+    assert len(v.all_cfgs()) == 2
