@@ -56,32 +56,90 @@ print(json.dumps({"imports_s": t1 - t0, "cuda_init_s": t2 - t1, "toolchain_s": t
 """
 
 
+FRESH_BREAKDOWN = r"""
+import json, time
+import torch
+from mori_jit.jit import compile as C
+from mori_jit.jit.runtime import get_runtime
+from mori_jit.examples.axpy_spec import AXPY, AxpyCfg
+import mori_jit.jit.runtime.cuda
+torch.cuda.init(); torch.empty(1, device="cuda"); torch.cuda.synchronize()
+pc = time.perf_counter
+t = [pc()]
+from mori_jit.jit.toolchain import get_toolchain
+tc = get_toolchain(); t.append(pc())
+cfg = AxpyCfg()
+res = C.resolve(AXPY, cfg, tc); t.append(pc())          # render (jinja load+compile) + include hash + key
+entry = C.build(AXPY, cfg, tc, resolved=res); t.append(pc())  # verify meta + sha256 of the binary
+rt = get_runtime(tc.vendor); t.append(pc())              # CudaRuntime(): cuInit, torch.cuda.init
+image = entry.binary.read_bytes(); t.append(pc())
+mod = rt.load_module(image, 0); t.append(pc())            # cuModuleLoadData
+fn = rt.get_function(mod, AXPY.entry_name(cfg)); t.append(pc())
+names = ["toolchain", "resolve", "build_hit_verify", "runtime_init", "read_binary", "module_load", "get_function"]
+print(json.dumps({k: t[i + 1] - t[i] for i, k in enumerate(names)}))
+"""
+
+
 def _us(seconds: float) -> float:
     return seconds * 1e6
 
 
-def _batched(fn, iters: int, batch: int):
-    """Host µs/call (median over batches, and mean) and GPU µs/call, for ``iters`` calls of ``fn``."""
+def _interleaved(cases: dict, iters: int, batch: int, sleep_cycles: int) -> dict:
+    """Host µs/call of each case, timed in interleaved batches while the GPU is kept busy.
+
+    Before each batch a ``torch.cuda._sleep`` kernel occupies the GPU for longer than the batch
+    takes to enqueue, so launches only queue up: the host timer sees pure submission cost, never
+    back-pressure from a GPU that is still executing. Cases are interleaved batch by batch, so
+    slow drifts of the machine hit every case alike; ``overhead_vs_raw_us`` is the median of the
+    per-round differences to the raw ``cuLaunchKernel`` batch of the same round.
+    """
     import torch
-    host, gpu = [], []
-    done = 0
-    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     pc = time.perf_counter
-    while done < iters:
-        k = min(batch, iters - done)
-        torch.cuda.synchronize()
-        ev0.record()
-        t0 = pc()
-        for _ in range(k):
+    per: dict[str, list[float]] = {k: [] for k in cases}
+    rounds = max(1, iters // batch)
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)
+            t0 = pc()
+            for _ in range(batch):
+                fn()
+            t1 = pc()
+            per[name].append((t1 - t0) / batch)
+    torch.cuda.synchronize()
+    raw = per.get("raw cuLaunchKernel (cuda-bindings)")
+    out = {}
+    for name, xs in per.items():
+        r = {"host_us_median": _us(statistics.median(xs)), "host_us_min": _us(min(xs)),
+             "host_us_max": _us(max(xs)), "batches": len(xs), "calls": len(xs) * batch}
+        if raw is not None:
+            r["overhead_vs_raw_us"] = _us(statistics.median(x - y for x, y in zip(xs, raw)))
+        out[name] = r
+    return out
+
+
+def _gpu_per_kernel(fn, count: int = 200, replays: int = 20) -> float:
+    """GPU µs per call of ``fn`` when fed back to back: ``count`` calls captured in a graph, replayed."""
+    import torch
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for _ in range(count):
             fn()
-        t1 = pc()
-        ev1.record()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) / k)
-        gpu.append(ev0.elapsed_time(ev1) * 1e-3 / k)
-        done += k
-    return {"host_us_median": _us(statistics.median(host)), "host_us_mean": _us(sum(host) / len(host)),
-            "host_us_min": _us(min(host)), "gpu_us_per_call": _us(statistics.median(gpu)), "calls": iters}
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(replays):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / (count * replays)
 
 
 def _per_call(fn, iters: int, repeats: int = 5) -> dict:
@@ -98,9 +156,11 @@ def _per_call(fn, iters: int, repeats: int = 5) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="path of the JSON results")
-    ap.add_argument("--iters", type=int, default=10000, help="launches per measurement")
+    ap.add_argument("--iters", type=int, default=10000, help="launches per case")
     ap.add_argument("--batch", type=int, default=500, help="launches between synchronizations")
     ap.add_argument("--n", type=int, default=32, help="elements of the tiny launch-overhead kernel")
+    ap.add_argument("--sleep-cycles", type=int, default=60_000_000,
+                    help="GPU clock cycles of the busy kernel before each batch (must outlast the batch)")
     ap.add_argument("--fresh-runs", type=int, default=3, help="fresh-process measurements (median)")
     args = ap.parse_args()
 
@@ -142,6 +202,12 @@ def main() -> int:
         fresh.append(json.loads(out.stdout.strip().splitlines()[-1]))
     res["fresh_process"] = {k: statistics.median(r[k] for r in fresh) for k in fresh[0] if k != "name"}
     res["fresh_process"]["runs"] = fresh
+    parts = []
+    for _ in range(args.fresh_runs):
+        out = subprocess.run([sys.executable, "-c", FRESH_BREAKDOWN], env=env, capture_output=True, text=True,
+                             check=True)
+        parts.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    res["fresh_process_breakdown_ms"] = {k: 1e3 * statistics.median(r[k] for r in parts) for k in parts[0]}
 
     # ---- in-process hit ---------------------------------------------------------------------------
     plan_mod.forget_plans()
@@ -193,18 +259,14 @@ def main() -> int:
         for _ in range(200):
             f()
     torch.cuda.synchronize()
-    launches = {}
-    for _round in range(2):  # two rounds: the spread between them is the noise
-        for name, f in cases.items():
-            r = _batched(f, args.iters, args.batch)
-            prev = launches.get(name)
-            if prev is None:
-                launches[name] = r
-            else:
-                launches[name] = {**r, "host_us_median_round1": prev["host_us_median"]}
+    launches = _interleaved(cases, args.iters, args.batch, args.sleep_cycles)
     res["launch"] = launches
     res["launch"]["LaunchGroup(2).launch(**fields)"]["host_us_per_plan"] = \
         launches["LaunchGroup(2).launch(**fields)"]["host_us_median"] / 2
+    res["gpu_us_per_kernel_back_to_back"] = {
+        "axpy tiny (plan.launch_struct, in a graph)": _gpu_per_kernel(lambda: launch_struct(s)),
+        "torch add_ (in a graph)": _gpu_per_kernel(lambda: y.add_(x, alpha=1e-3)),
+    }
     torch.cuda.synchronize()  # raises if any timed launch faulted
     res["launch_outputs_finite"] = bool(torch.isfinite(y).all())
 
@@ -235,10 +297,15 @@ def main() -> int:
           f"  (toolchain {fp['toolchain_s'] * 1e3:.2f} + prepare {fp['prepare_s'] * 1e3:.2f}; target <= 10)")
     print(f"{'fresh process: after imports incl. CUDA init':44s} {fp['after_imports_s'] * 1e3:9.2f} ms")
     print(f"{'in-process prepare hit':44s} {res['prepare_hit']['default_args']['us_median']:9.2f} us  (target <= 20)")
-    print(f"{'launch':44s} {'host us/call':>12s} {'(round 1)':>10s} {'GPU us/call':>12s}")
+    print(f"{'fresh process breakdown (separate runs)':44s} " + ", ".join(
+        f"{k} {v:.2f}" for k, v in res["fresh_process_breakdown_ms"].items()) + " ms")
+    print(f"{'launch (GPU kept busy, interleaved batches)':44s} {'host us/call':>12s} {'min':>7s} {'max':>7s} "
+          f"{'vs raw':>7s}")
     for name, r in launches.items():
-        print(f"{name:44s} {r['host_us_median']:12.2f} {r.get('host_us_median_round1', float('nan')):10.2f} "
-              f"{r['gpu_us_per_call']:12.2f}")
+        print(f"{name:44s} {r['host_us_median']:12.2f} {r['host_us_min']:7.2f} {r['host_us_max']:7.2f} "
+              f"{r.get('overhead_vs_raw_us', float('nan')):+7.2f}")
+    for k, v in res["gpu_us_per_kernel_back_to_back"].items():
+        print(f"{'GPU per kernel: ' + k:44s} {v:9.2f} us")
     for k, v in res["pieces_us"].items():
         print(f"{'  piece: ' + k:44s} {v:9.3f} us")
     print(f"results written to {args.out}")

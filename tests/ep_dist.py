@@ -56,9 +56,9 @@ def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, a
         # ("connection reset"), and the parent orders reports by time to show the root cause first.
         # Tail only: a report must fit the pipe buffer, as the parent reads only after a failure.
         errors.put((time.time(), rank, traceback.format_exc()[-6000:]))
-        raise
-    finally:
-        dist.destroy_process_group()
+        # Tearing an NCCL group down while a peer is inside a collective hangs; exit at once.
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def _drain(errors) -> str:

@@ -64,9 +64,9 @@ MORI_DEVICE bool WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t tar
 // True in exactly one block: the last one to arrive at counter `word` (which it resets).
 MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   __shared__ int last;
+  plat::fence_system();  // every thread's peer stores are visible system-wide before it is counted
   __syncthreads();
   if (threadIdx.x == 0) {
-    plat::fence_system();  // this block's peer stores are visible before it is counted
     unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
     last = plat::atomic_add_device(ctr, 1u) == gridDim.x - 1;
     if (last) *ctr = 0;

@@ -1,0 +1,303 @@
+"""EP dispatch/combine benchmark: the ``hip`` backend (eager and graph) beside the ``torch`` backend
+(NCCL) and the measured link ceiling, in one run. One process per GPU (spawned here; NCCL).
+
+    PYTHONPATH=. python3 scripts/bench_ep.py --out results/   # JSON + Markdown + PNG
+    PYTHONPATH=. python3 scripts/bench_ep.py --sweep --tokens 128 4096   # blocks x warps sweep
+
+Workload (defaults): hidden 7168, topk 8, 256 experts in total, tokens per rank 128/512/1024/4096,
+routing = a random permutation of experts per token, first k; bf16/bf16 and fp8/bf16 legs.
+Every timed point is first gated by the golden check (exit 1 on failure). Timing: warm-up, CUDA
+events, 4 rotating input sets, median of ``--iters``; dispatch and combine timed separately;
+combine both with the in-kernel staging copy and with the expert writing into the staging view.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ep_dist import run_distributed  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+LEGS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp8": (FP8, torch.bfloat16)}
+
+
+def link_ceiling_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """One-direction GPU0 -> GPU1 copy of ``nbytes`` (GB/s, median of ``reps``)."""
+    if torch.cuda.device_count() < 2:
+        return float("nan")
+    a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
+    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+        t0 = time.perf_counter()
+        b.copy_(a, non_blocking=True)
+        torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+        times.append(time.perf_counter() - t0)
+    assert torch.equal(a[:4096].cpu(), b[:4096].cpu())
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def _inputs(rank, ws, n, hidden, k, experts, dtype, dev, gen):
+    x = (torch.randn(n, hidden, generator=gen) * 2).to(dtype).to(dev)
+    w = (torch.rand(n, k, generator=gen) + 0.05).to(dev)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(n)]).to(torch.int32).to(dev)
+    return x, w, idx
+
+
+def _remote_rows(idx, rank, ws, epr):
+    dest = (idx.long() // epr)
+    hit = torch.zeros(idx.shape[0], ws, dtype=torch.bool, device=idx.device)
+    hit.scatter_(1, dest, True)
+    hit[:, rank] = False
+    return int(hit.sum())
+
+
+def _time_pairs(fn_a, fn_b, iters, rotate):
+    """Median µs of fn_a and fn_b, timed separately with events, over ``iters`` rotating inputs."""
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    for i in range(iters):
+        rotate(i)
+        ev[i][0].record()
+        fn_a(i)
+        ev[i][1].record()
+        fn_b(i)
+        ev[i][2].record()
+    torch.cuda.synchronize()
+    a = [e[0].elapsed_time(e[1]) * 1e3 for e in ev]
+    b = [e[1].elapsed_time(e[2]) * 1e3 for e in ev]
+    return statistics.median(a), statistics.median(b)
+
+
+def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
+    from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import golden_check
+
+    disp_t, comb_t = LEGS[leg]
+    dev = torch.device("cuda", rank)
+    gen = torch.Generator().manual_seed(1000 * rank + n)
+    epr = args.experts // ws
+    res = {"leg": leg, "tokens": n, "ws": ws}
+
+    def cfg(backend):
+        return EpDispatchCombineConfig(
+            rank=rank, world_size=ws, hidden_dim=args.hidden, max_num_inp_token_per_rank=n,
+            num_experts_per_rank=epr, num_experts_per_token=args.k, data_type=comb_t,
+            dispatch_data_type=None if disp_t == comb_t else disp_t,
+            combine_data_type=None if disp_t == comb_t else comb_t, kernel_backend=backend, schedule=schedule)
+
+    sets = [_inputs(rank, ws, n, args.hidden, args.k, args.experts, disp_t, dev, gen) for _ in range(4)]
+    remote = statistics.mean(_remote_rows(s[2], rank, ws, epr) for s in sets)
+    ebytes_d, ebytes_c = torch.empty((), dtype=disp_t).element_size(), torch.empty((), dtype=comb_t).element_size()
+    backends = ("hip",) if schedule is not None else ("hip", "torch")
+    for backend in backends:
+        with EpDispatchCombineOp(cfg(backend)) as op:
+            cur = list(sets[0])
+            sx, sw, sidx = (t.clone() for t in sets[0])
+
+            def rotate(i):
+                s = sets[i % 4]
+                sx.copy_(s[0]), sw.copy_(s[1]), sidx.copy_(s[2])
+
+            # golden gate (fresh data, identity expert)
+            out, out_w, _, out_idx, total, routing = op.dispatch(*cur[:2], None, cur[2], return_routing=True)
+            exp = out.to(comb_t) if out.element_size() != 1 else out.float().to(comb_t)
+            y, y_w = op.combine(exp, weights=out_w, routing=routing)
+            if disp_t == comb_t:
+                golden_check(op.group, rank, ws, n, epr, cur[0], cur[1], cur[2], out, out_w, out_idx, total,
+                             routing.recv_src, y, y_w)
+            else:
+                golden_check(op.group, rank, ws, n, epr, cur[0], cur[1], cur[2], out, out_w, out_idx, total,
+                             routing.recv_src, None, None)
+            recv = total.item()
+            dist.barrier()
+            st = {}
+
+            def disp(i):
+                st["r"] = op.dispatch(sx, sw, None, sidx, return_routing=True)
+
+            def comb_copy(i):
+                o = st["r"]
+                op.combine(o[0] if o[0].dtype == comb_t else staging_src, weights=o[1], routing=o[5])
+
+            staging_src = torch.randn(op.cfg.recv_capacity, args.hidden, generator=gen).to(comb_t).to(dev)
+            mode_fns = {"eager": (disp, comb_copy)}
+            if backend == "hip":
+                stage = op.get_combine_input_buffer()
+                stage.copy_(staging_src)
+
+                def comb_zero(i):
+                    o = st["r"]
+                    op.combine(stage, weights=o[1], routing=o[5])
+                mode_fns["eager_zerocopy"] = (disp, comb_zero)
+            for _ in range(args.warmup):
+                disp(0), comb_copy(0)
+            for mode, (fa, fb) in mode_fns.items():
+                dist.barrier()
+                d_us, c_us = _time_pairs(fa, fb, args.iters, rotate)
+                res[f"{backend}_{mode}"] = {"dispatch_us": d_us, "combine_us": c_us}
+            if backend == "hip":
+                # graph mode: capture dispatch and combine separately, replay with rotated inputs
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    disp(0), comb_copy(0)
+                torch.cuda.current_stream().wait_stream(s)
+                gd, gc, gz = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gd):
+                    disp(0)
+                with torch.cuda.graph(gc):
+                    comb_copy(0)
+                with torch.cuda.graph(gz):
+                    mode_fns["eager_zerocopy"][1](0)
+                dist.barrier()
+                d_us, c_us = _time_pairs(lambda i: gd.replay(), lambda i: gc.replay(), args.iters, rotate)
+                res["hip_graph"] = {"dispatch_us": d_us, "combine_us": c_us}
+                dist.barrier()
+                d_us, c_us = _time_pairs(lambda i: gd.replay(), lambda i: gz.replay(), args.iters, rotate)
+                res["hip_graph_zerocopy"] = {"dispatch_us": d_us, "combine_us": c_us}
+                # host overhead of the Python calls (GPU work queued asynchronously)
+                dist.barrier()
+                hd, hc = [], []
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    r = op.dispatch(sx, sw, None, sidx, return_routing=True)
+                    t1 = time.perf_counter()
+                    op.combine(r[0] if r[0].dtype == comb_t else staging_src, weights=r[1], routing=r[5])
+                    t2 = time.perf_counter()
+                    hd.append((t1 - t0) * 1e6), hc.append((t2 - t1) * 1e6)
+                torch.cuda.synchronize()
+                res["host_overhead_us"] = {"dispatch": statistics.median(hd), "combine": statistics.median(hc)}
+                op.check()
+            dist.barrier()
+    res["recv_rows"] = recv
+    res["remote_rows"] = remote
+    res["bytes"] = {"dispatch_remote": remote * args.hidden * ebytes_d, "combine_remote": remote * args.hidden * ebytes_c,
+                    "dispatch_algo": recv * args.hidden * ebytes_d, "combine_algo": recv * args.hidden * ebytes_c}
+    res["link_ceiling_gbps"] = ceiling
+    return res
+
+
+def _job(rank, ws, args, ceiling, out_path):
+    from mori_jit.jit.toolchain import get_toolchain
+    get_toolchain()
+    results = []
+    if args.sweep:
+        for leg in args.legs:
+            for n in args.tokens:
+                for blocks in args.blocks:
+                    for warps in args.warps:
+                        sched = [(None, blocks, warps, blocks, max(4, warps // 2))]
+                        r = _bench_point(rank, ws, leg, n, args, ceiling, schedule=sched)
+                        r["geometry"] = {"blocks": blocks, "dispatch_warps": warps, "combine_warps": max(4, warps // 2)}
+                        results.append(r)
+                        if rank == 0:
+                            print(f"sweep {leg} n={n} {blocks}x{warps}: disp {r['hip_graph']['dispatch_us']:.1f} "
+                                  f"comb {r['hip_graph']['combine_us']:.1f} us", flush=True)
+    else:
+        for leg in args.legs:
+            for n in args.tokens:
+                r = _bench_point(rank, ws, leg, n, args, ceiling)
+                results.append(r)
+                if rank == 0:
+                    print(f"{leg} n={n}: {json.dumps({k: v for k, v in r.items() if isinstance(v, dict)})}", flush=True)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"args": vars(args), "link_ceiling_gbps": ceiling, "results": results}, f, indent=1)
+
+
+def report(path: str) -> str:
+    """Markdown table (and a PNG next to the JSON) from a results file."""
+    data = json.load(open(path))
+    ceil = data["link_ceiling_gbps"]
+    lines = [f"Link ceiling (1 GiB GPU0→GPU1 copy, same run): **{ceil:.0f} GB/s**", "",
+             "| leg | tok/rank | mode | dispatch µs | combine µs | disp algo GB/s | disp link % | comb link % "
+             "| disp × torch | comb × torch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        if "hip_graph" not in r:
+            continue
+        t = r.get("torch_eager")
+        for mode in ("hip_eager", "hip_eager_zerocopy", "hip_graph", "hip_graph_zerocopy", "torch_eager"):
+            if mode not in r:
+                continue
+            d, c = r[mode]["dispatch_us"], r[mode]["combine_us"]
+            b = r["bytes"]
+            geo = f" {r['geometry']['blocks']}x{r['geometry']['dispatch_warps']}" if "geometry" in r else ""
+            lines.append(
+                f"| {r['leg']} | {r['tokens']}{geo} | {mode} | {d:.1f} | {c:.1f} | {b['dispatch_algo'] / d / 1e3:.0f} | "
+                f"{100 * b['dispatch_remote'] / d / 1e3 / ceil:.0f} | {100 * b['combine_remote'] / c / 1e3 / ceil:.0f} | "
+                + (f"{t['dispatch_us'] / d:.2f} | {t['combine_us'] / c:.2f} |" if t else "– | – |"))
+        if "host_overhead_us" in r:
+            h = r["host_overhead_us"]
+            lines.append(f"| {r['leg']} | {r['tokens']} | host overhead | {h['dispatch']:.1f} | {h['combine']:.1f} |"
+                         " | | | | |")
+    md = "\n".join(lines)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+        for li, leg in enumerate(sorted({r["leg"] for r in data["results"]})):
+            rs = [r for r in data["results"] if r["leg"] == leg and "geometry" not in r]
+            xs = [r["tokens"] for r in rs]
+            for mode in ("hip_eager", "hip_graph", "hip_graph_zerocopy", "torch_eager"):
+                if all(mode in r for r in rs) and rs:
+                    for col, key, bkey in ((0, "dispatch_us", "dispatch_remote"), (1, "combine_us", "combine_remote")):
+                        ax[0][col].plot(xs, [r[mode][key] for r in rs], marker="o", label=f"{leg} {mode}")
+                        ax[1][col].plot(xs, [100 * r["bytes"][bkey] / r[mode][key] / 1e3 / ceil for r in rs],
+                                        marker="o", label=f"{leg} {mode}")
+        for col, name in ((0, "dispatch"), (1, "combine")):
+            ax[0][col].set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="µs", title=f"{name} latency")
+            ax[1][col].set(xscale="log", xlabel="tokens per rank", ylabel="% of link ceiling",
+                           title=f"{name} link utilisation")
+            ax[0][col].legend(fontsize=6), ax[1][col].legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
+    except ImportError:
+        md += "\n\n(matplotlib missing: no plot)"
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    return md
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_ep.json", help="JSON path (Markdown and PNG are written beside it)")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 1024, 4096])
+    ap.add_argument("--legs", nargs="+", default=["bf16", "fp8"], choices=sorted(LEGS))
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="sweep blocks x warps (hip graph mode only)")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 132])
+    ap.add_argument("--warps", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--report", metavar="JSON", help="only rebuild the Markdown/PNG from a results file")
+    args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
+    ws = torch.cuda.device_count()
+    ceiling = link_ceiling_gbps()
+    print(f"link ceiling {ceiling:.1f} GB/s on {ws} GPUs", flush=True)
+    try:
+        run_distributed(_job, ws, args, ceiling, args.out, timeout=540, backend="nccl")
+    except (AssertionError, TimeoutError) as e:
+        print(f"BENCH FAILED: {e}", file=sys.stderr)
+        return 1
+    print(report(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
