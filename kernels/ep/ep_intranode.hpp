@@ -69,7 +69,10 @@ MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   if (threadIdx.x == 0) {
     unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
     last = plat::atomic_add_device(ctr, 1u) == gridDim.x - 1;
-    if (last) *ctr = 0;
+    if (last) {
+      *ctr = 0;
+      plat::fence_system();  // acquire side: every other block's stores happen-before what follows
+    }
   }
   __syncthreads();
   return last;
@@ -216,6 +219,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   if (threadIdx.x < kWs)
     WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target, kWaitCombineReady, threadIdx.x);
   __syncthreads();
+  plat::fence_system();  // order every thread's peer loads after the observed flags
 
   // 3. Pull and sum: one wave per local token; lane < k holds one forward-map entry.
   const int* tokOff = At<int>(args, rank, args.off_tok_off);

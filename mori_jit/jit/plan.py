@@ -82,13 +82,31 @@ def _fmt_char(ct: type, where: str) -> tuple[str, bool]:
     raise TypeError(f"{where}: ctypes type {ct.__name__} is not supported by the args packer")
 
 
+def _tensor_type() -> type:
+    try:
+        import torch
+        return torch.Tensor
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return type("_NoTensor", (), {})
+
+
+_Tensor: type | None = None
+
+
 def _as_ptr(value: Any, name: str) -> int:
     """An address for a pointer field: int, None, ctypes.c_void_p or a device tensor."""
+    global _Tensor
+    if _Tensor is None:
+        _Tensor = _tensor_type()
+    if isinstance(value, _Tensor):  # the common non-int case first
+        if not value.is_cuda:
+            raise ValueError(f"field {name!r} is a device pointer; got a tensor on {value.device}")
+        return value.data_ptr()
     if value is None:
         return 0
     if isinstance(value, bool):
         raise TypeError(f"field {name!r} is a pointer; got a bool")
-    data_ptr = getattr(value, "data_ptr", None)
+    data_ptr = getattr(value, "data_ptr", None)  # other tensor-likes
     if data_ptr is not None and callable(data_ptr):
         if getattr(value, "is_cuda", True) is False:
             raise ValueError(f"field {name!r} is a device pointer; got a tensor on {getattr(value, 'device', 'the host')}")

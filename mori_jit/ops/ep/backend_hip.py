@@ -8,8 +8,7 @@ word that the next call reads without syncing.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,10 +34,10 @@ _WAITS = {1: "dispatch: waiting for a peer's dispatch-done flag",
 _SYNC_REGIONS = ("recv_num", "total_recv", "xdb", "sync")
 
 
-@dataclasses.dataclass(frozen=True)
-class HipRouting:
+class HipRouting(NamedTuple):
     """What combine needs from a dispatch: the token count; ``recv_src`` is the reverse map view
-    (``srcRank*M + srcTok`` per received row, valid below ``total_recv``)."""
+    (``srcRank*M + srcTok`` per received row, valid below ``total_recv``). A NamedTuple: it is
+    built on every dispatch, so it must be cheap."""
 
     op_id: int
     num_tokens: int

@@ -23,7 +23,7 @@ __all__ = ["Bucket", "Schedule", "DISPATCH_TABLE", "COMBINE_TABLE", "DEFAULT_DIS
 Bucket = tuple[Optional[int], int, int]  # (max_tokens_inclusive | None, blocks, warps)
 
 DEFAULT_DISPATCH: tuple[int, int] = (64, 16)
-DEFAULT_COMBINE: tuple[int, int] = (64, 8)
+DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {

@@ -61,6 +61,13 @@ def _backend_class(name: str) -> type:
 
 
 def _expect(name: str, t: Any, dtype, shape: tuple, device) -> None:
+    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a contiguous ``dtype`` tensor of
+    ``shape`` (None = any) on ``device``. The common, valid case costs a few attribute reads."""
+    try:
+        if (t.dtype is dtype and t.shape == shape and t.device == device and t.is_contiguous()):
+            return
+    except AttributeError:
+        pass
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
@@ -185,7 +192,7 @@ class EpDispatchCombineOp:
         n = input.shape[0] if input.dim() == 2 else -1
         if n > cfg.max_num_inp_token_per_rank:
             raise ValueError(f"input: {n} tokens exceed max_num_inp_token_per_rank={cfg.max_num_inp_token_per_rank}")
-        _expect("input", input, cfg.dispatch_dtype, (None, cfg.hidden_dim), self.device)
+        _expect("input", input, cfg.dispatch_dtype, (n, cfg.hidden_dim), self.device)
         if weights is not None:
             _expect("weights", weights, torch.float32, (n, cfg.num_experts_per_token), self.device)
         if scales is not None:
