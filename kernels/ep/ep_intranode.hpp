@@ -205,12 +205,12 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
       err[0] = kErrShortInput;
     }
   }
+  if (withWeights && args.inpWeights != stageW)
+    for (int i = tid; i < rows * kK; i += nthreads) stageW[i] = args.inpWeights[i];
   if (args.inpTok != stage) {
     const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
     for (size_t i = tid; i < size_t(rows) * kVecs; i += nthreads) stage[i] = plat::load_stream(in + i);
   }
-  if (withWeights && args.inpWeights != stageW)
-    for (int i = tid; i < rows * kK; i += nthreads) stageW[i] = args.inpWeights[i];
 
   // 2. Cross-device barrier: the last block to finish staging tells every peer; all blocks wait.
   const uint64_t target = epoch + 1;
@@ -229,15 +229,13 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     const int flat = lane < kK ? tokOff[t * kK + lane] : -1;
     const uint64_t srcs = plat::ballot(flat >= 0);
     const vec16_t* rows[kWs];
-    const float* wrows[kWs];
     int numSrc = 0;
 #pragma unroll
-    for (int i = 0; i < kWs; ++i) rows[i] = nullptr, wrows[i] = nullptr;
+    for (int i = 0; i < kWs; ++i) rows[i] = nullptr;
     for (uint64_t m = srcs; m; m &= m - 1) {
       const int f = plat::shfl(flat, plat::lowest_bit(m));
       const int pe = f / kRecv, slot = f % kRecv;
       rows[numSrc] = At<vec16_t>(args, pe, args.off_comb_stage) + size_t(slot) * kVecs;
-      wrows[numSrc] = At<float>(args, pe, args.off_comb_stage_wts) + size_t(slot) * kK;
       ++numSrc;
     }
     vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
@@ -271,12 +269,14 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
         out[v0 + u * kW] = o;
       }
     }
-    if (withWeights && lane < kK) {
+    if (withWeights) {
       float w = 0.f;
-#pragma unroll
-      for (int s = 0; s < kWs; ++s)
-        if (s < numSrc) w += plat::load_uncached_f32(wrows[s] + lane);
-      args.outWeights[t * kK + lane] = w;
+      for (uint64_t m = srcs; m; m &= m - 1) {
+        const int f = plat::shfl(flat, plat::lowest_bit(m));
+        if (lane < kK)
+          w += plat::load_uncached_f32(At<float>(args, f / kRecv, args.off_comb_stage_wts) + size_t(f % kRecv) * kK + lane);
+      }
+      if (lane < kK) args.outWeights[t * kK + lane] = w;
     }
   }
 

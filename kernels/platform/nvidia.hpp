@@ -47,8 +47,8 @@ MORI_DEVICE uint64_t now_ns() {
 // Non-temporal 16-byte global accesses for streaming payloads.
 MORI_DEVICE vec16_t load_stream(const vec16_t* p) { return __ldcs(p); }
 MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __stcs(p, v); }
-// Loads of data a peer wrote after this kernel started: bypass L1 (not coherent), cache in L2 only.
-MORI_DEVICE vec16_t load_uncached(const vec16_t* p) { return __ldcg(p); }
-MORI_DEVICE float load_uncached_f32(const float* p) { return __ldcg(p); }
+// Loads of data a peer wrote after this kernel started: volatile (ld.cv), never served from a cache.
+MORI_DEVICE vec16_t load_uncached(const vec16_t* p) { return __ldcv(p); }
+MORI_DEVICE float load_uncached_f32(const float* p) { return __ldcv(p); }
 
 }  // namespace mori::plat
