@@ -188,7 +188,10 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   uint64_t* sync = SyncWords(args);
   const uint64_t epoch = sync[kCombEpoch];
   const int total = *At<int>(args, rank, args.off_total_recv);
-  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr && args.outWeights != nullptr;
+  // Staging serves the peers, summing serves this rank: a rank with n = 0 (empty, possibly null
+  // y_w) must still stage the weights its peers will pull. Every rank passes weights, or none does.
+  const bool stageWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  const bool sumWeights = stageWeights && args.outWeights != nullptr;
 
   // 1. Stage the expert output (and weights) into this rank's symmetric staging region.
   vec16_t* stage = At<vec16_t>(args, rank, args.off_comb_stage);
@@ -205,7 +208,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
       err[0] = kErrShortInput;
     }
   }
-  if (withWeights && args.inpWeights != stageW)
+  if (stageWeights && args.inpWeights != stageW)
     for (int i = tid; i < rows * kK; i += nthreads) stageW[i] = args.inpWeights[i];
   if (args.inpTok != stage) {
     const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
@@ -269,7 +272,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
         out[v0 + u * kW] = o;
       }
     }
-    if (withWeights) {
+    if (sumWeights) {
       float w = 0.f;
       for (uint64_t m = srcs; m; m &= m - 1) {
         const int f = plat::shfl(flat, plat::lowest_bit(m));
