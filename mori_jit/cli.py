@@ -325,17 +325,16 @@ def _axpy_variants(spec, toolchain) -> list:
 def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> list[tuple[Any, Any]]:
     """Every ``(spec, cfg)`` that ``mori-jit precompile`` builds for ``toolchain``.
 
-    **Hook for the EP op:** today this is every registered spec's default cfg, plus ``example_axpy``
-    for each dtype. ``ep_request`` (``--ep KEY=VALUE`` on the command line, raw strings) is meant to
-    describe the EP op configuration(s) to precompile; the EP op replaces the ``ep_*`` part below
-    with the variants a live op would compile (walking the same tuning tables and Cfg construction).
-    Duplicates are removed by the caller.
+    Without ``ep_request``: every registered spec's default cfg, plus ``example_axpy`` for each
+    dtype. With it (``--ep KEY=VALUE ...``: EpDispatchCombineConfig fields plus ``num_cus``): exactly
+    the EP variants a live ``hip`` op with that config compiles — the same tuning tables and Cfg
+    construction (:func:`mori_jit.ops.ep.variants.plan_requests`). Duplicates are removed by the caller.
     """
     from .jit.fields import ConfigError
     from .jit.registry import all_specs
-    if ep_request:
-        raise ConfigError(f"precompile --ep {' '.join(f'{k}={v}' for k, v in ep_request.items())}: "
-                          f"EP op variants are not wired into precompile yet")
+    if ep_request:  # exactly the variants a live op with that config compiles
+        from .ops.ep.variants import precompile_targets as ep_targets
+        return ep_targets(ep_request, toolchain.arch)
     targets = []
     for spec in all_specs():
         if spec.name == "example_axpy":

@@ -21,12 +21,10 @@ from .arena import SymmArena
 from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, region_bytes
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
-from .specs import EP_COMBINE, EP_DISPATCH
-from .variants import ep_variants
+from .variants import ep_variants, plan_requests
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting"]
 
-_SPEC = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE}
 # Must match kernels/ep/ep_intranode.hpp (kErrTimeout, kErrShortInput, WaitId).
 _ERR_TIMEOUT, _ERR_SHORT_INPUT = 0x4D4F5249, 0x53484F52
 _WAITS = {1: "dispatch: waiting for a peer's dispatch-done flag",
@@ -81,13 +79,15 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         # Building the variants validates every EpCfg, so a bad config fails before any allocation.
         self._toolchain = get_toolchain()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        self._variants = ep_variants(cfg, self._toolchain.arch, props.multi_processor_count)
+        self._num_cus = props.multi_processor_count
+        self._variants = ep_variants(cfg, self._toolchain.arch, self._num_cus)
         return region_bytes(self._variants.dispatch[0], self._variants.combine[0])
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
         assert arena is not None
         var, tc, dev = self._variants, self._toolchain, self.device
-        plans = {(kind, c): prepare(_SPEC[kind], c, tc, dev) for kind, c in var.all_cfgs()}
+        # every variant is compiled and loaded here, before the first _pick (precompile walks the same list)
+        plans = {(spec.kind, c): prepare(spec, c, tc, dev) for spec, c in plan_requests(cfg, tc.arch, self._num_cus)}
         disp_plans = [plans[(DISPATCH, c)] for c in var.dispatch]
         comb_plans = [plans[(COMBINE, c)] for c in var.combine]
 

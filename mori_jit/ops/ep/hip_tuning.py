@@ -26,12 +26,23 @@ DEFAULT_DISPATCH: tuple[int, int] = (64, 16)
 DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
+#
+# sm_90a, EP2, hidden 7168, topk 8 (docs/PERF.md "Sweep", docs/bench/sweep_ep2_bf16.json, graph mode):
+#   dispatch  128 tok: 32x16 20.6 µs | 64x8 22.4 | 132x8 22.3 | 64x16 28.6 (spread ±4 µs: take the smallest)
+#            4096 tok: 132x8 184.2 µs | 132x16 184.6 | 64x16 189.9 | 64x8 196.6 | 32x16 207.1
+#   combine  128 tok: 64x8 36.6 µs | 132x8 36.5 | 32x8 40.3;  4096 tok: 132x8 320.9 | 64x8 480.3 | 32x8 875.7,
+#            and 132x16 268.9 in the bench run (more loads in flight for the staging copy and the pull).
+# Only the 128 and 4096 points were swept, so the edge sits at the measured 128; experts_per_rank
+# was not varied (128 per rank only), so these keys are exact, not wildcards. fp8 dispatch has not
+# been swept: it falls back to the default.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
-    "bf16": {},
+    "bf16": {(2, 7168, 8, 128): [(128, 32, 16), (None, 132, 8)]},
     "fp8": {},
 }
 # (world_size, hidden, topk, experts_per_rank | None) -> buckets
-COMBINE_TABLE: dict[tuple, list[Bucket]] = {}
+COMBINE_TABLE: dict[tuple, list[Bucket]] = {
+    (2, 7168, 8, 128): [(128, 64, 8), (None, 132, 16)],
+}
 
 
 @dataclasses.dataclass(frozen=True)

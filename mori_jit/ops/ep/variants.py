@@ -11,7 +11,8 @@ from .cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
 from .config import EpDispatchCombineConfig
 from .hip_tuning import Schedule, lookup, schedule_from_buckets
 
-__all__ = ["EpVariants", "ep_variants", "DEFAULT_NUM_CUS", "ep_dtype"]
+__all__ = ["EpVariants", "ep_variants", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests", "config_from_strings",
+           "precompile_targets"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
 DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
@@ -63,3 +64,63 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
 
     return EpVariants(sched, leg(DISPATCH, cfg.dispatch_dtype, sched.dispatch),
                       leg(COMBINE, cfg.combine_dtype, sched.combine))
+
+
+def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> list[tuple]:
+    """The ``(spec, EpCfg)`` pairs a live ``hip`` op prepares, in order, without duplicates."""
+    from .specs import EP_COMBINE, EP_DISPATCH
+    spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE}
+    return [(spec[kind], c) for kind, c in ep_variants(cfg, arch, num_cus).all_cfgs()]
+
+
+def _dtype_from_string(value: str):
+    import torch
+    tag = EpDType.coerce(value)  # bf16 / fp8 / torch names, any case
+    return {EpDType.Bf16: torch.bfloat16, EpDType.Fp32: torch.float32, EpDType.Fp8: torch.float8_e4m3fn,
+            EpDType.Fp4x2: getattr(torch, "float4_e2m1fn_x2", torch.uint8)}[tag]
+
+
+def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfig, int | None]:
+    """An op config from ``KEY=VALUE`` strings (``mori-jit precompile --ep``), and ``num_cus`` if given.
+
+    Keys are :class:`EpDispatchCombineConfig` fields (``rank`` defaults to 0) plus ``num_cus``;
+    dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names.
+    """
+    from mori_jit.jit.fields import ConfigError
+    fields = {f.name: f for f in dataclasses.fields(EpDispatchCombineConfig)}
+    kwargs: dict = {"rank": 0}
+    num_cus = None
+    for key, raw in request.items():
+        try:
+            if key == "num_cus":
+                num_cus = int(raw, 0)
+            elif key not in fields:
+                raise ConfigError(f"unknown EP config field {key!r}; valid: num_cus, {', '.join(fields)}")
+            elif key.endswith("data_type"):
+                kwargs[key] = _dtype_from_string(raw)
+            elif key in ("combine_mode", "quant_type", "kernel_backend"):
+                kwargs[key] = raw
+            elif key == "schedule":
+                raise ConfigError("schedule cannot be given on the command line")
+            else:
+                kwargs[key] = int(raw, 0)
+        except ValueError as e:
+            raise ConfigError(f"--ep {key}={raw!r}: {e}") from None
+    try:
+        return EpDispatchCombineConfig(**kwargs), num_cus
+    except TypeError as e:
+        raise ConfigError(f"--ep: {e}") from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
+    """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op."""
+    cfg, num_cus = config_from_strings(request)
+    if num_cus is None:
+        num_cus = DEFAULT_NUM_CUS.get(arch)
+        if num_cus is None:
+            from mori_jit.jit.fields import ConfigError
+            raise ConfigError(f"no default CU/SM count for {arch}; pass --ep num_cus=N "
+                              f"(known: {', '.join(sorted(DEFAULT_NUM_CUS))})")
+    return plan_requests(cfg, arch, num_cus)

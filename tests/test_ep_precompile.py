@@ -1,0 +1,80 @@
+"""``mori-jit precompile --ep ...`` builds exactly the binaries a live hip op asks for (fake toolchain),
+and the real compilers build every EP kernel for every dtype pair at the default geometries."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mori_jit.cli import main
+from mori_jit.jit import cache
+from mori_jit.jit.compile import build, resolve
+from mori_jit.jit.fields import ConfigError
+from mori_jit.jit.toolchain import ToolchainError, make_toolchain
+from mori_jit.ops.ep import EpDispatchCombineConfig
+from mori_jit.ops.ep.variants import config_from_strings, plan_requests
+
+FP8 = torch.float8_e4m3fn
+FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+
+
+def _live_op_keys(cfg, arch, num_cus):
+    """The cache directories the hip op's _build_kernels would prepare (same function the op calls)."""
+    tc = make_toolchain(arch)
+    return {resolve(spec, c, tc).path for spec, c in plan_requests(cfg, arch, num_cus)}
+
+
+@pytest.mark.parametrize("arch,num_cus", [("sm_90a", 132), ("gfx942", 304)])
+def test_precompile_key_set_equals_live_op(fake_cc, arch, num_cus, capsys):
+    cfg = EpDispatchCombineConfig(rank=1, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=4096,
+                                  num_experts_per_rank=128, num_experts_per_token=8,
+                                  dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
+                                  schedule=[(128, 32, 16, 64, 8), (None, 132, 8, 500, 16)])
+    # the CLI cannot pass a schedule: compare the table-driven op too
+    table_cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=4096,
+                                        num_experts_per_rank=128, num_experts_per_token=8,
+                                        dispatch_data_type=FP8, combine_data_type=torch.bfloat16)
+    want = _live_op_keys(table_cfg, arch, num_cus)
+    rc = main(["precompile", "--arch", arch, "--ep", "world_size=2", "hidden_dim=7168",
+               "max_num_inp_token_per_rank=4096", "num_experts_per_rank=128", "num_experts_per_token=8",
+               "dispatch_data_type=fp8", "combine_data_type=bf16", f"num_cus={num_cus}"])
+    assert rc == 0, capsys.readouterr().err
+    got = set(cache.list_entries())
+    assert got == want and len(got) >= 2
+    assert all(p.name.startswith(("kernel.mori_ep_dispatch_fp8_ws2", "kernel.mori_ep_combine_bf16_ws2")) for p in got)
+    # a scheduled op asks for more variants; they are all distinct and compile
+    assert len(_live_op_keys(cfg, arch, num_cus)) == 4
+
+
+def test_precompile_ep_bad_input(fake_cc, capsys):
+    assert main(["precompile", "--arch", "sm_90a", "--ep", "world_size=2", "hidden_dim=7168"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max_num_inp_token_per_rank" in err[0]
+    with pytest.raises(ConfigError, match="unknown EP config field 'hiden_dim'"):
+        config_from_strings({"hiden_dim": "7168"})
+    with pytest.raises(ConfigError, match="combine sums"):
+        config_from_strings({"world_size": "2", "hidden_dim": "64", "max_num_inp_token_per_rank": "8",
+                             "num_experts_per_rank": "4", "num_experts_per_token": "2", "data_type": "fp8"})
+
+
+_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (FP8, torch.bfloat16),
+          (FP4, torch.bfloat16), (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("arch,compiler", [("sm_90a", "nvcc"), ("gfx90a", "hipcc")])
+def test_real_compilers_build_every_ep_kernel(arch, compiler):
+    try:
+        tc = make_toolchain(arch)
+    except ToolchainError as e:
+        pytest.skip(f"{compiler} not installed: {e}")
+    built = set()
+    for disp, comb in _PAIRS:
+        cfg = EpDispatchCombineConfig(rank=0, world_size=8, hidden_dim=7168, max_num_inp_token_per_rank=128,
+                                      num_experts_per_rank=32, num_experts_per_token=8,
+                                      dispatch_data_type=disp, combine_data_type=comb)
+        for spec, c in plan_requests(cfg, arch, 104):
+            e = build(spec, c, tc)
+            data = e.binary.read_bytes()
+            assert spec.entry_name(c).encode() in data, f"{spec.entry_name(c)} not in {e.binary}"
+            built.add(spec.entry_name(c))
+    # 4 dispatch dtypes + 2 combine dtypes at the default geometry
+    assert len(built) == 6, sorted(built)
