@@ -177,9 +177,9 @@ def test_precompile_failure_reports_every_kernel_and_one_error_line(fake_cc, cap
     assert len(status_lines) == n and all(" FAILED " in ln and "No such file" in ln for ln in status_lines)
 
 
-def test_precompile_ep_request_not_wired_yet(fake_cc, capsys):
+def test_precompile_ep_incomplete_request_is_one_line(fake_cc, capsys):
     rc, _, err = run(capsys, "precompile", *ARCH, "--ep", "world_size=8")
-    assert_one_line_error(rc, err, "not wired")
+    assert_one_line_error(rc, err, "hidden_dim")
 
 
 def test_cache_path_ls_verify_clear(fake_cc, capsys):

@@ -38,6 +38,21 @@ class DriverError(RuntimeError):
         super().__init__(f"{call} failed: {name} ({int(code)})" + (f"; {detail}" if detail else ""))
 
 
+def unpack_result(result: Any, success: Any, err_name: Callable[[Any], str], call: str, detail: str = "") -> Any:
+    """Unpack a driver-binding result tuple ``(err, *values)``; raise :class:`DriverError` on failure.
+
+    Shared by the CUDA (cuda-bindings) and HIP (hip-python) runtimes, whose calls return the same shape.
+    """
+    if not isinstance(result, tuple):
+        result = (result,)
+    err = result[0]
+    if err != success:
+        raise DriverError(call, int(err), err_name(err), detail)
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
 def as_dim3(v: int | Sequence[int]) -> Dim3:
     """``7`` → ``(7, 1, 1)``; a 1-3 element sequence is padded with 1s. Each entry must be ≥ 1."""
     t = (int(v),) if isinstance(v, int) else tuple(int(x) for x in v)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from cuda.bindings import driver as _drv
 
-from .base import DriverError, Runtime, as_dim3
+from .base import DriverError, Runtime, as_dim3, unpack_result
 
 __all__ = ["CudaRuntime"]
 
@@ -41,14 +41,9 @@ def _err_name(err: Any) -> str:
     return f"CUresult {int(err)}"
 
 
-def _check(result: tuple, call: str, detail: str = "") -> Any:
+def _check(result: Any, call: str, detail: str = "") -> Any:
     """Unpack a cuda-bindings result tuple; raise :class:`DriverError` unless it succeeded."""
-    err = result[0]
-    if err != _SUCCESS:
-        raise DriverError(call, int(err), _err_name(err), detail)
-    if len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
+    return unpack_result(result, _SUCCESS, _err_name, call, detail)
 
 
 class CudaRuntime(Runtime):

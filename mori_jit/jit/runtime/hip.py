@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from hip import hip as _hip  # hip-python; present only on ROCm installs
 
-from .base import DriverError, Runtime, as_dim3
+from .base import DriverError, Runtime, as_dim3, unpack_result
 
 __all__ = ["HipRuntime"]
 
@@ -45,14 +45,7 @@ def _err_name(err: Any) -> str:
 
 def _check(result: Any, call: str, detail: str = "") -> Any:
     """Unpack a hip-python result tuple; raise :class:`DriverError` unless it succeeded."""
-    if not isinstance(result, tuple):
-        result = (result,)
-    err = result[0]
-    if err != _SUCCESS:
-        raise DriverError(call, int(err), _err_name(err), detail)
-    if len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
+    return unpack_result(result, _SUCCESS, _err_name, call, detail)
 
 
 class HipRuntime(Runtime):

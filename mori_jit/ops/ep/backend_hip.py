@@ -20,7 +20,7 @@ from mori_jit.jit.toolchain import get_toolchain
 from .arena import SymmArena
 from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, region_bytes
 from .config import EpDispatchCombineConfig
-from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
+from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
 from .variants import ep_variants, plan_requests
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting"]
@@ -60,11 +60,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
     """EP op on the JIT kernels."""
 
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
-        missing = []
-        if cfg.combine_mode != "gather":
-            missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
-        if cfg.quant_type not in (None, "none"):
-            missing.append(f"quant_type={cfg.quant_type!r} (pass already-quantized payloads instead)")
+        missing = gather_unquantized_gaps(cfg)
         if cfg.scale_dim or cfg.scale_type_size:
             missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
         if cfg.is_internode:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .config import EpDispatchCombineConfig
 from .hip_tuning import Schedule
-from .op import EpDispatchCombineOp, KernelSet
+from .op import EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
 from .reference import reference_combine, reference_dispatch
 
 __all__ = ["EpDispatchCombineOpTorch"]
@@ -20,12 +20,7 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
     """EP op on ``all_to_all_single``; same contract as the ``hip`` backend."""
 
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
-        missing = []
-        if cfg.combine_mode != "gather":
-            missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
-        if cfg.quant_type not in (None, "none"):
-            missing.append(f"quant_type={cfg.quant_type!r} (payloads must arrive already quantized)")
-        return missing
+        return gather_unquantized_gaps(cfg)
 
     def _device(self, cfg: EpDispatchCombineConfig) -> torch.device:
         if dist.get_backend(self.group) == "gloo" or not torch.cuda.is_available():

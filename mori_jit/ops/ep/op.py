@@ -55,6 +55,16 @@ class KernelSet:
     close: Callable[[], None] = lambda: None
 
 
+def gather_unquantized_gaps(cfg: EpDispatchCombineConfig) -> list[str]:
+    """The gaps both shipped backends share: only gather combine, no in-op quantization."""
+    missing = []
+    if cfg.combine_mode != "gather":
+        missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
+    if cfg.quant_type not in (None, "none"):
+        missing.append(f"quant_type={cfg.quant_type!r} (pass already-quantized payloads instead)")
+    return missing
+
+
 def _backend_class(name: str) -> type:
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)
