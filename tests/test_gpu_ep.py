@@ -35,7 +35,7 @@ def _expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:
 def _poison(op):
     """Poison every dispatch output view (not the sync words), then make sure no peer is mid-write."""
     a = op.arena
-    for name in ("disp_out", "out_wts", "out_idx", "recv_to_src", "total_recv", "comb_stage"):
+    for name in ("disp_out", "out_wts", "out_idx", "recv_to_src", "total_recv", "comb_stage", "comb_stage_wts"):
         a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)  # NaN / -1 patterns
     torch.cuda.synchronize()
     torch.distributed.barrier()

@@ -218,7 +218,9 @@ class EpDispatchCombineOp:
         """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
 
         ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
-        Returns ``(out [n, hidden], out_weights [n, k] | None)``.
+        Returns ``(out [n, hidden], out_weights [n, k] | None)``. Collective: every rank calls it,
+        and either every rank passes ``weights`` or none does (a rank stages its weights for the
+        peers even when it has no tokens of its own).
         """
         k = self._live()
         cfg = self.cfg
