@@ -1,0 +1,68 @@
+"""CPU checks of the EP op's declarations: arena layout, args/regions agreement, device error
+decoding, and that choosing a backend imports only that backend."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mori_jit.ops.ep.arena import ALIGN, layout
+from mori_jit.ops.ep.backend_hip import decode_error
+from mori_jit.ops.ep.cfg import EP_ARGS, EP_REGIONS, EpCfg, EpDType, region_bytes
+
+
+def test_layout_is_aligned_ordered_and_disjoint():
+    sizes = {"a": 1, "b": 0, "c": 257, "d": 4096}
+    offsets, total = layout(sizes)
+    assert list(offsets) == list(sizes)
+    assert all(off % ALIGN == 0 for off in offsets.values())
+    spans = sorted((offsets[n], offsets[n] + sizes[n]) for n in sizes)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert total >= max(end for _, end in spans) and total % ALIGN == 0
+    with pytest.raises(ValueError, match="negative"):
+        layout({"x": -1})
+
+
+def test_every_region_has_a_size_and_an_offset_arg():
+    d = EpCfg(worldSize=2, hiddenDim=7168, maxTokPerRank=64, dtype=EpDType.Fp8, waveSize=32)
+    c = EpCfg(worldSize=2, hiddenDim=7168, maxTokPerRank=64, waveSize=32)
+    sizes = region_bytes(d, c)
+    assert list(sizes) == list(EP_REGIONS)
+    args = EP_ARGS.names()
+    assert [a for a in args if a.startswith("off_")] == [f"off_{r}" for r in EP_REGIONS]
+    # the asymmetric legs size their own buffers: fp8 rows are half the bf16 staging rows
+    assert sizes["disp_out"] * 2 == sizes["comb_stage"] == 2 * 64 * 7168 * 2
+
+
+def test_device_errors_decode_to_which_wait_which_rank_which_peer():
+    timeout = [0x4D4F5249, (1 << 48) | (1 << 32) | (0 << 16), 7, 0]
+    msg = decode_error(timeout, 0)
+    assert "rank 0: dispatch" in msg and "from rank 1 timed out" in msg and "never reached 7" in msg
+    short = [0x53484F52, 1 << 16, (100 << 32) | 60, 0]
+    assert "rank 1: combine input had 60 rows but dispatch received 100" in decode_error(short, 1)
+    assert "unknown device error" in decode_error([5, 0, 0, 0], 0)
+
+
+def test_choosing_the_torch_backend_imports_no_jit_runtime():
+    code = (
+        "import sys, os, torch, torch.distributed as dist\n"
+        "os.environ['GLOO_SOCKET_IFNAME']='lo'\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, world_size=1)\n"
+        "from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp\n"
+        "cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=32, max_num_inp_token_per_rank=4,\n"
+        "    num_experts_per_rank=2, num_experts_per_token=2, kernel_backend='torch')\n"
+        "with EpDispatchCombineOp(cfg) as op:\n"
+        "    assert type(op).__name__ == 'EpDispatchCombineOpTorch'\n"
+        "bad = [m for m in ('mori_jit.ops.ep.backend_hip', 'mori_jit.jit.plan', 'mori_jit.jit.runtime')\n"
+        "       if m in sys.modules]\n"
+        "print('IMPORTED', bad)\n"
+        "dist.destroy_process_group()\n"
+    )
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.run([sys.executable, "-c", code % port], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "IMPORTED []" in p.stdout, p.stdout
