@@ -10,19 +10,22 @@ Integer ``/`` and ``%`` follow C++ (truncation toward zero), so both sides agree
 """
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable
 
 __all__ = ["Expr", "C", "Derived", "where", "max_", "min_", "lit"]
 
 
-class Expr:
+class Expr(abc.ABC):
     """A node of an integer/bool expression over config fields."""
 
+    @abc.abstractmethod
     def eval(self, cfg: Any) -> Any:
-        raise NotImplementedError
+        """The value for config ``cfg`` (C++ integer semantics)."""
 
+    @abc.abstractmethod
     def cpp(self) -> str:
-        raise NotImplementedError
+        """The C++ expression text (over ``c``, the config)."""
 
     # arithmetic
     def __add__(self, o): return _Bin("+", self, lit(o))

@@ -10,6 +10,7 @@ else changes (see ``mori_jit/examples/axpy_spec.py``).
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from typing import Any, Mapping
@@ -55,7 +56,7 @@ def _jinja_env(tdir: str, bytecode_dir: str) -> jinja2.Environment:
                               bytecode_cache=bcc)
 
 
-class Spec:
+class Spec(abc.ABC):
     """Base class of kernel specs. Subclasses set the class attributes and the ``template_vars``.
 
     Exception contract: ``make_cfg``/``apply_request`` raise :class:`~mori_jit.jit.fields.ConfigError`
@@ -81,12 +82,13 @@ class Spec:
         """Default config for ``toolchain`` with ``request`` (field name → value) applied."""
         return apply_request(self.default_cfg(toolchain), request or {})
 
+    @abc.abstractmethod
     def entry_name(self, cfg: Any) -> str:
         """The kernel symbol: written into the source and used for the module lookup."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def geometry(self, cfg: Any) -> Geometry:
-        raise NotImplementedError
+        """Launch geometry for ``cfg``."""
 
     def template_vars(self, cfg: Any, toolchain: Toolchain) -> dict[str, Any]:
         """Spec-specific template variables (body header, element types, ...)."""

@@ -10,6 +10,7 @@ Order (DESIGN §6): process group → capability gate → arena → every varian
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import importlib
 from typing import Any, Callable, Optional
@@ -91,7 +92,7 @@ def _expect(name: str, t: Any, dtype, shape: tuple, device) -> None:
         raise ValueError(f"{name}: expected a contiguous tensor")
 
 
-class EpDispatchCombineOp:
+class EpDispatchCombineOp(abc.ABC):
     """Expert-parallel dispatch/combine over ``group`` (None = WORLD). Collective to construct.
 
     Use as a context manager or call :meth:`close` to release the arena.
@@ -103,14 +104,17 @@ class EpDispatchCombineOp:
         return super().__new__(cls)
 
     # -- backend hooks ---------------------------------------------------------------------------
+    @abc.abstractmethod
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
-        raise NotImplementedError
+        """Everything this backend cannot do for ``cfg`` (empty = supported); runs before allocation."""
 
+    @abc.abstractmethod
     def _regions(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
-        raise NotImplementedError
+        """Arena region name → bytes (empty: the backend needs no symmetric arena)."""
 
+    @abc.abstractmethod
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
-        raise NotImplementedError
+        """Compile and load every variant; return the KernelSet the base class drives."""
 
     def _device(self, cfg: EpDispatchCombineConfig) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
