@@ -289,11 +289,8 @@ def cmd_describe(args) -> int:
     doc: dict[str, Any] = {"spec": spec.name, "arch": tc.arch, "entry": spec.entry_name(cfg),
                            "cfg_type": type(cfg).__name__, "cfg": spec.describe(cfg),
                            "rendered_cfg": render_cfg(cfg)}
-    try:
-        g = spec.geometry(cfg)
-        doc["geometry"] = {"grid": list(g.grid), "block": list(g.block), "shared_bytes": g.shared_bytes}
-    except NotImplementedError:
-        pass
+    g = spec.geometry(cfg)
+    doc["geometry"] = {"grid": list(g.grid), "block": list(g.block), "shared_bytes": g.shared_bytes}
     doc["schema"] = request_schema(spec.cfg_type)
     print(json.dumps(doc, indent=2))
     return 0
