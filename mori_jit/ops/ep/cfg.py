@@ -16,6 +16,8 @@ from mori_jit.jit.expr import C, Derived, where
 from mori_jit.jit.fields import CEnum, ConfigError, apply_request, cfg_fields
 from mori_jit.jit.toolchain import wave_size_for_arch
 
+from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
+
 __all__ = ["EpDType", "EpCfg", "EP_ARGS", "EP_REGIONS", "EP_MAX_PEERS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
            "EpSummable", "DISPATCH", "COMBINE"]
@@ -158,7 +160,9 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
 
 
 def _leg_defaults(kind: str, arch: str) -> dict[str, Any]:
-    return {"waveSize": wave_size_for_arch(arch), "blockNum": 64, "warpPerBlock": 16 if kind == DISPATCH else 8}
+    # the geometry default is the tuning table's fallback: one number, one place
+    blocks, warps = DEFAULT_DISPATCH if kind == DISPATCH else DEFAULT_COMBINE
+    return {"waveSize": wave_size_for_arch(arch), "blockNum": blocks, "warpPerBlock": warps}
 
 
 def _env_overrides(kind: str) -> dict[str, str]:
