@@ -177,3 +177,12 @@ def test_variants_follow_schedule_and_pins():
     v = ep_variants(pinned, "gfx942", 304)
     assert [(c.blockNum, c.warpPerBlock, c.waveSize) for c in v.dispatch] == [(304, 4, 64)]
     assert len(v.all_cfgs()) == 2
+
+
+def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):
+    cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64,
+                                  num_experts_per_rank=8, num_experts_per_token=8)
+    assert max(c.blockNum for c in ep_variants(cfg, "sm_90a", 132).combine) <= 132
+    monkeypatch.setenv("MORI_V2_EP_COMBINE_BLOCK_NUM", "200")
+    with pytest.raises(ConfigError, match="combine blockNum=200 exceeds the 132"):
+        ep_variants(cfg, "sm_90a", 132)

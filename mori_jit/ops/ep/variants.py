@@ -62,8 +62,13 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
         return tuple(make_ep_cfg(kind, arch, {**common, "dtype": ep_dtype(dtype), "blockNum": b, "warpPerBlock": w})
                      for b, w in geos)
 
-    return EpVariants(sched, leg(DISPATCH, cfg.dispatch_dtype, sched.dispatch),
-                      leg(COMBINE, cfg.combine_dtype, sched.combine))
+    comb = leg(COMBINE, cfg.combine_dtype, sched.combine)
+    for c in comb:  # MORI_V2_EP_* overrides come after the clamp: refuse what would deadlock
+        if c.blockNum > num_cus:
+            from mori_jit.jit.fields import ConfigError
+            raise ConfigError(f"combine blockNum={c.blockNum} exceeds the {num_cus} CUs/SMs of the device: its "
+                              f"cross-device barrier needs every block resident (check MORI_V2_EP_*BLOCK_NUM)")
+    return EpVariants(sched, leg(DISPATCH, cfg.dispatch_dtype, sched.dispatch), comb)
 
 
 def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> list[tuple]:
