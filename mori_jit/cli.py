@@ -327,7 +327,6 @@ def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> l
     the EP variants a live ``hip`` op with that config compiles — the same tuning tables and Cfg
     construction (:func:`mori_jit.ops.ep.variants.plan_requests`). Duplicates are removed by the caller.
     """
-    from .jit.fields import ConfigError
     from .jit.registry import all_specs
     if ep_request:  # exactly the variants a live op with that config compiles
         from .ops.ep.variants import precompile_targets as ep_targets

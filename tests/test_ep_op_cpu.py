@@ -2,7 +2,6 @@
 config errors, the tuning lookup, and EpCfg construction."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

@@ -243,24 +243,22 @@ class ArgsPacker:
                 out[i] = _as_ptr(v, self.names[i])
         return out
 
-    def values(self, fields: Mapping[str, Any]) -> tuple:
-        """Field values in schema order (pointers converted to ints), validating the names."""
+    def _in_order(self, fields: Mapping[str, Any]) -> Sequence[Any]:
+        """Raw field values in schema order; unknown or missing names raise (naming the valid ones)."""
         if len(fields) != self.n:
             self._bad_names(fields)
         try:
-            vals = self._get(fields)
+            return self._get(fields)
         except KeyError:
             self._bad_names(fields)
-        return tuple(self._convert(vals))
+
+    def values(self, fields: Mapping[str, Any]) -> tuple:
+        """Field values in schema order (pointers converted to ints), validating the names."""
+        return tuple(self._convert(self._in_order(fields)))
 
     def pack(self, buf: Any, fields: Mapping[str, Any]) -> None:
         """Write every field of ``fields`` into ``buf`` (see the class docstring for the rules)."""
-        if len(fields) != self.n:
-            self._bad_names(fields)
-        try:
-            vals = self._get(fields)
-        except KeyError:
-            self._bad_names(fields)
+        vals = self._in_order(fields)
         for i in self.ptr_slots:
             if type(vals[i]) is not int:
                 vals = self._convert(vals)
