@@ -78,6 +78,31 @@ def _time_pairs(fn_a, fn_b, iters, rotate):
     return statistics.median(a), statistics.median(b)
 
 
+def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
+    """The floor users would otherwise write: NCCL ``all_to_all_single`` of exactly the rows this
+    routing sends (one copy per destination rank), forward in the dispatch dtype and back in the
+    combine dtype. No packing, no permutation: pure data movement, so a generous baseline."""
+    hit = torch.zeros(n, ws, dtype=torch.bool, device=dev)
+    hit.scatter_(1, (idx.long() // epr).clamp(0, ws - 1), True)
+    counts = hit.sum(0).to(torch.int64)
+    all_counts = [torch.empty_like(counts) for _ in range(ws)]
+    dist.all_gather(all_counts, counts)
+    in_splits, out_splits = counts.tolist(), [int(c[rank]) for c in all_counts]
+    ebd, ebc = torch.empty((), dtype=disp_t).element_size(), torch.empty((), dtype=comb_t).element_size()
+    # NCCL has no fp8 type: move bytes, as the op does
+    fwd_in = torch.randint(0, 255, (sum(in_splits), hidden * ebd), dtype=torch.uint8, device=dev)
+    fwd_out = torch.empty(sum(out_splits), hidden * ebd, dtype=torch.uint8, device=dev)
+    back_in = torch.randn(sum(out_splits), hidden, device=dev).to(comb_t)
+    back_out = torch.empty(sum(in_splits), hidden, dtype=comb_t, device=dev)
+    fwd = lambda i: dist.all_to_all_single(fwd_out, fwd_in, out_splits, in_splits)  # noqa: E731
+    back = lambda i: dist.all_to_all_single(back_out, back_in, in_splits, out_splits)  # noqa: E731
+    for _ in range(3):
+        fwd(0), back(0)
+    dist.barrier()
+    d_us, c_us = _time_pairs(fwd, back, iters, lambda i: None)
+    return {"dispatch_us": d_us, "combine_us": c_us}
+
+
 def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
     from mori_jit.ops.ep.golden import golden_check
@@ -179,6 +204,8 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 res["host_overhead_us"] = {"dispatch": statistics.median(hd), "combine": statistics.median(hc)}
                 op.check()
             dist.barrier()
+    if schedule is None and ws > 1:
+        res["nccl_a2a"] = _bare_a2a(rank, ws, sets[0][2], n, args.hidden, epr, disp_t, comb_t, dev, args.iters)
     res["recv_rows"] = recv
     res["remote_rows"] = remote
     res["bytes"] = {"dispatch_remote": remote * args.hidden * ebytes_d, "combine_remote": remote * args.hidden * ebytes_c,
@@ -221,12 +248,12 @@ def report(path: str) -> str:
     ceil = data["link_ceiling_gbps"]
     lines = [f"Link ceiling (1 GiB GPU0→GPU1 copy, same run): **{ceil:.0f} GB/s**", "",
              "| leg | tok/rank | mode | dispatch µs | combine µs | disp algo GB/s | disp link % | comb link % "
-             "| disp × torch | comb × torch |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| disp × torch | comb × torch | disp × a2a | comb × a2a |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:
         if "hip_graph" not in r:
             continue
-        t = r.get("torch_eager")
-        for mode in ("hip_eager", "hip_eager_zerocopy", "hip_graph", "hip_graph_zerocopy", "torch_eager"):
+        t, a = r.get("torch_eager"), r.get("nccl_a2a")
+        for mode in ("hip_eager", "hip_eager_zerocopy", "hip_graph", "hip_graph_zerocopy", "torch_eager", "nccl_a2a"):
             if mode not in r:
                 continue
             d, c = r[mode]["dispatch_us"], r[mode]["combine_us"]
@@ -235,11 +262,12 @@ def report(path: str) -> str:
             lines.append(
                 f"| {r['leg']} | {r['tokens']}{geo} | {mode} | {d:.1f} | {c:.1f} | {b['dispatch_algo'] / d / 1e3:.0f} | "
                 f"{100 * b['dispatch_remote'] / d / 1e3 / ceil:.0f} | {100 * b['combine_remote'] / c / 1e3 / ceil:.0f} | "
-                + (f"{t['dispatch_us'] / d:.2f} | {t['combine_us'] / c:.2f} |" if t else "– | – |"))
+                + (f"{t['dispatch_us'] / d:.2f} | {t['combine_us'] / c:.2f} |" if t else "– | – |")
+                + (f" {a['dispatch_us'] / d:.2f} | {a['combine_us'] / c:.2f} |" if a else " – | – |"))
         if "host_overhead_us" in r:
             h = r["host_overhead_us"]
             lines.append(f"| {r['leg']} | {r['tokens']} | host overhead | {h['dispatch']:.1f} | {h['combine']:.1f} |"
-                         " | | | | |")
+                         " | | | | | | |")
     md = "\n".join(lines)
     try:
         import matplotlib
@@ -249,7 +277,7 @@ def report(path: str) -> str:
         for li, leg in enumerate(sorted({r["leg"] for r in data["results"]})):
             rs = [r for r in data["results"] if r["leg"] == leg and "geometry" not in r]
             xs = [r["tokens"] for r in rs]
-            for mode in ("hip_eager", "hip_graph", "hip_graph_zerocopy", "torch_eager"):
+            for mode in ("hip_eager", "hip_graph", "hip_graph_zerocopy", "torch_eager", "nccl_a2a"):
                 if all(mode in r for r in rs) and rs:
                     for col, key, bkey in ((0, "dispatch_us", "dispatch_remote"), (1, "combine_us", "combine_remote")):
                         ax[0][col].plot(xs, [r[mode][key] for r in rs], marker="o", label=f"{leg} {mode}")

@@ -24,7 +24,7 @@ from jit_helpers import build_axpy_worker, other_valid_value
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg, AxpyDType
 from mori_jit.jit import cache
 from mori_jit.jit.cache import list_entries, verify_entry
-from mori_jit.jit.compile import CompileError, build, resolve
+from mori_jit.jit.compile import CompileError, build, build_many, resolve
 from mori_jit.jit.fields import cfg_fields
 from mori_jit.jit.registry import all_specs, get_spec
 from mori_jit.jit.spec import Geometry, Spec
@@ -406,3 +406,15 @@ def test_wheel_ships_sources_and_keys_match_the_checkout(fake_cc, tmp_path):
     root, key = p.stdout.split()
     assert root == str(site / "mori_jit" / "_sources")
     assert key == _key()
+
+
+def test_build_many_compiles_each_once_in_order_and_raises_on_failure(fake_cc, monkeypatch):
+    tc = make_toolchain("sm_90a")
+    cfgs = [AxpyCfg(blockNum=b) for b in (1, 2, 3, 4)]
+    entries = build_many([(AXPY, c) for c in cfgs + cfgs[:1]], tc, jobs=4)
+    assert [e.path for e in entries] == [resolve(AXPY, c, tc).path for c in cfgs + cfgs[:1]]
+    assert len(fake_cc.compiles()) == 4 and len(list_entries()) == 4 and _tmp_children() == []
+    monkeypatch.setenv("FAKE_CC_FAIL", "kernel.hip(1): error: boom")
+    with pytest.raises(CompileError, match="boom"):
+        build_many([(AXPY, AxpyCfg(blockNum=b)) for b in (5, 6)], tc, jobs=2)
+    assert len(list_entries()) == 4 and _tmp_children() == []

@@ -17,9 +17,11 @@ import json
 import shutil
 import subprocess
 import sys
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import filelock
 
@@ -29,7 +31,7 @@ from .paths import kernels_dir, source_root
 from .spec import Spec
 from .toolchain import Toolchain
 
-__all__ = ["CompileError", "Resolved", "resolve", "build"]
+__all__ = ["CompileError", "Resolved", "resolve", "build", "build_many"]
 
 
 class CompileError(RuntimeError):
@@ -141,3 +143,15 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
     if entry is None:
         raise RuntimeError(f"cache entry {res.path} failed verification right after publishing")
     return entry
+
+
+def build_many(requests: Sequence[tuple[Spec, Any]], toolchain: Toolchain, jobs: int | None = None) -> list[cache.Entry]:
+    """:func:`build` for each ``(spec, cfg)``, compiling misses in parallel threads (compilers are
+    subprocesses, so threads suffice). Entries come back in request order; the first failure raises
+    after the other compiles have finished (so nothing is left half-written)."""
+    if len(requests) <= 1:
+        return [build(s, c, toolchain) for s, c in requests]
+    workers = max(1, min(len(requests), jobs or os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(build, s, c, toolchain) for s, c in requests]
+    return [f.result() for f in futures]

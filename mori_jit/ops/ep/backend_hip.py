@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mori_jit.jit import knobs
+from mori_jit.jit.compile import build_many
 from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
@@ -83,7 +84,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         assert arena is not None
         var, tc, dev = self._variants, self._toolchain, self.device
         # every variant is compiled and loaded here, before the first _pick (precompile walks the same list)
-        plans = {(spec.kind, c): prepare(spec, c, tc, dev) for spec, c in plan_requests(cfg, tc.arch, self._num_cus)}
+        requests = plan_requests(cfg, tc.arch, self._num_cus)
+        build_many(requests, tc)  # misses compile in parallel; loading stays on this thread (its context)
+        plans = {(spec.kind, c): prepare(spec, c, tc, dev) for spec, c in requests}
         disp_plans = [plans[(DISPATCH, c)] for c in var.dispatch]
         comb_plans = [plans[(COMBINE, c)] for c in var.combine]
 
