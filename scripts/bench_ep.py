@@ -47,6 +47,43 @@ def link_ceiling_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def sm_link_rates(rank, ws, nbytes: int = 256 << 20, reps: int = 10) -> dict:
+    """GB/s of SM-driven peer traffic (a vectorized elementwise kernel over a peer's symmetric
+    buffer): ``pull`` reads the peer, ``push`` writes it; ``one`` = rank 0 alone, ``both`` = every
+    rank at once (the op's pattern). The copy-engine ceiling above bounds what the link carries;
+    these show what SM loads and stores get of it."""
+    if ws < 2:
+        return {}
+    import torch.distributed._symmetric_memory as symm_mem
+    dev = torch.device("cuda", rank)
+    n = nbytes // 4
+    buf = symm_mem.empty(n, dtype=torch.float32, device=dev)
+    buf.normal_()
+    hdl = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    peer = hdl.get_buffer((rank + 1) % ws, (n,), torch.float32)
+    local = torch.randn(n, device=dev)
+    fns = {"pull": lambda: torch.neg(peer, out=local), "push": lambda: torch.neg(local, out=peer)}
+    out = {}
+    for who in ("one", "both"):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            dist.barrier()
+            if who == "both" or rank == 0:
+                fn()
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+                ev[0].record()
+                for i in range(reps):
+                    fn()
+                    ev[i + 1].record()
+                torch.cuda.synchronize()
+                out[f"sm_{name}_{who}_gbps"] = nbytes / (statistics.median(
+                    ev[i].elapsed_time(ev[i + 1]) for i in range(reps)) * 1e-3) / 1e9
+            torch.cuda.synchronize()
+            dist.barrier()
+    del peer, hdl, buf
+    return out
+
+
 def _inputs(rank, ws, n, hidden, k, experts, dtype, dev, gen):
     x = (torch.randn(n, hidden, generator=gen) * 2).to(dtype).to(dev)
     w = (torch.rand(n, k, generator=gen) + 0.05).to(dev)
@@ -217,6 +254,9 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
 def _job(rank, ws, args, ceiling, out_path):
     from mori_jit.jit.toolchain import get_toolchain
     get_toolchain()
+    sm_rates = sm_link_rates(rank, ws)
+    if rank == 0 and sm_rates:
+        print("SM peer rates (GB/s): " + ", ".join(f"{k} {v:.0f}" for k, v in sm_rates.items()), flush=True)
     results = []
     if args.sweep:
         for leg in args.legs:
@@ -239,14 +279,17 @@ def _job(rank, ws, args, ceiling, out_path):
                     print(f"{leg} n={n}: {json.dumps({k: v for k, v in r.items() if isinstance(v, dict)})}", flush=True)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"args": vars(args), "link_ceiling_gbps": ceiling, "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "link_ceiling_gbps": ceiling, "sm_link_rates": sm_rates, "results": results}, f, indent=1)
 
 
 def report(path: str) -> str:
     """Markdown table (and a PNG next to the JSON) from a results file."""
     data = json.load(open(path))
     ceil = data["link_ceiling_gbps"]
-    lines = [f"Link ceiling (1 GiB GPU0→GPU1 copy, same run): **{ceil:.0f} GB/s**", "",
+    sm = data.get("sm_link_rates") or {}
+    lines = [f"Link ceiling (1 GiB GPU0→GPU1 copy, same run): **{ceil:.0f} GB/s**"
+             + ("; SM-driven peer traffic: " + ", ".join(f"{k[3:-5]} {v:.0f}" for k, v in sm.items()) + " GB/s"
+                if sm else ""), "",
              "| leg | tok/rank | mode | dispatch µs | combine µs | disp algo GB/s | disp link % | comb link % "
              "| disp × torch | comb × torch | disp × a2a | comb × a2a |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:

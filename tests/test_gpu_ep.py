@@ -68,7 +68,7 @@ def _parity(op, ref_op, x, w, idx, out, out_w, out_idx, total, routing, y, y_w):
     hip_src, ref_src = routing.recv_src[:t].long(), r_routing.recv_src[:t].long()
     hip_order, ref_order = torch.argsort(hip_src), torch.argsort(ref_src)
     assert torch.equal(hip_src[hip_order], ref_src[ref_order]), "received source sets differ"
-    assert torch.equal(out[:t][hip_order].view(torch.uint8), r_out[:t][ref_order].view(torch.uint8))
+    assert torch.equal(out[:t].view(torch.uint8)[hip_order], r_out[:t].view(torch.uint8)[ref_order])
     assert torch.equal(out_w[:t][hip_order], r_w[:t][ref_order])
     assert torch.equal(out_idx[:t][hip_order], r_idx[:t][ref_order])
     cfg = op.cfg
