@@ -227,6 +227,13 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 dist.barrier()
                 d_us, c_us = _time_pairs(lambda i: gd.replay(), lambda i: gz.replay(), args.iters, rotate)
                 res["hip_graph_zerocopy"] = {"dispatch_us": d_us, "combine_us": c_us}
+                # the method's floor: a one-kernel graph (1-element add) timed the same way
+                z = torch.zeros(1, device=dev)
+                g0 = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g0):
+                    z.add_(1)
+                f_us, _ = _time_pairs(lambda i: g0.replay(), lambda i: None, args.iters, rotate)
+                res["graph_floor_us"] = f_us
                 # host overhead of the Python calls (GPU work queued asynchronously)
                 dist.barrier()
                 hd, hc = [], []
@@ -238,7 +245,13 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                     t2 = time.perf_counter()
                     hd.append((t1 - t0) * 1e6), hc.append((t2 - t1) * 1e6)
                 torch.cuda.synchronize()
-                res["host_overhead_us"] = {"dispatch": statistics.median(hd), "combine": statistics.median(hc)}
+                ha = []  # one output allocation, as combine makes two (y and y_w)
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    torch.empty((n, args.hidden), dtype=comb_t, device=dev)
+                    ha.append((time.perf_counter() - t0) * 1e6)
+                res["host_overhead_us"] = {"dispatch": statistics.median(hd), "combine": statistics.median(hc),
+                                           "torch_empty": statistics.median(ha)}
                 op.check()
             dist.barrier()
     if schedule is None and ws > 1:
@@ -307,10 +320,13 @@ def report(path: str) -> str:
                 f"{100 * b['dispatch_remote'] / d / 1e3 / ceil:.0f} | {100 * b['combine_remote'] / c / 1e3 / ceil:.0f} | "
                 + (f"{t['dispatch_us'] / d:.2f} | {t['combine_us'] / c:.2f} |" if t else "– | – |")
                 + (f" {a['dispatch_us'] / d:.2f} | {a['combine_us'] / c:.2f} |" if a else " – | – |"))
+        if "graph_floor_us" in r:
+            lines.append(f"| {r['leg']} | {r['tokens']} | floor: 1-kernel graph | {r['graph_floor_us']:.1f} | | | | | | | | |")
         if "host_overhead_us" in r:
             h = r["host_overhead_us"]
             lines.append(f"| {r['leg']} | {r['tokens']} | host overhead | {h['dispatch']:.1f} | {h['combine']:.1f} |"
-                         " | | | | | | |")
+                         + (f" (one torch.empty: {h['torch_empty']:.1f})" if "torch_empty" in h else "")
+                         + " | | | | | | |")
     md = "\n".join(lines)
     try:
         import matplotlib

@@ -62,11 +62,14 @@ MORI_DEVICE bool WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t tar
 }
 
 // True in exactly one block: the last one to arrive at counter `word` (which it resets).
+// One fence per block, not per thread (the cooperative-groups grid-sync pattern): the barrier
+// orders the block's stores before thread 0's fence, and fences are cumulative. A fence in every
+// thread is one MEMBAR.SYS per warp, each waiting for that warp's peer stores.
 MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   __shared__ int last;
-  plat::fence_system();  // every thread's peer stores are visible system-wide before it is counted
   __syncthreads();
   if (threadIdx.x == 0) {
+    plat::fence_system();  // the block's peer stores are visible system-wide before it is counted
     unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
     last = plat::atomic_add_device(ctr, 1u) == gridDim.x - 1;
     if (last) {
@@ -221,8 +224,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
   if (threadIdx.x < kWs)
     WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target, kWaitCombineReady, threadIdx.x);
-  __syncthreads();
-  plat::fence_system();  // order every thread's peer loads after the observed flags
+  __syncthreads();  // the acquire loads above, then the barrier, order every thread's peer loads
 
   // 3. Pull and sum: one wave per local token; lane < k holds one forward-map entry.
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
