@@ -6,7 +6,8 @@
 
 Workload (defaults): hidden 7168, topk 8, 256 experts in total, tokens per rank 128/512/1024/4096,
 routing = a random permutation of experts per token, first k; bf16/bf16 and fp8/bf16 legs.
-Every timed point is first gated by the golden check (exit 1 on failure). Timing: warm-up, CUDA
+Every timed point is first gated by the golden check (exit 1 on failure). Timing: warm-up, a GPU
+sleep so the host queues the loop ahead of the GPU, CUDA
 events, 4 rotating input sets, median of ``--iters``; dispatch and combine timed separately;
 combine both with the in-kernel staging copy and with the expert writing into the staging view.
 """
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ep_dist import run_distributed  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
+#: GPU cycles (~2 GHz) slept before each timed loop: longer than the host needs to queue the loop.
+QUEUE_AHEAD_CYCLES = 20_000_000
 LEGS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp8": (FP8, torch.bfloat16)}
 
 
@@ -100,8 +103,12 @@ def _remote_rows(idx, rank, ws, epr):
 
 
 def _time_pairs(fn_a, fn_b, iters, rotate):
-    """Median µs of fn_a and fn_b, timed separately with events, over ``iters`` rotating inputs."""
+    """Median µs of fn_a and fn_b, timed separately with events, over ``iters`` rotating inputs.
+
+    A GPU sleep first lets the host queue every iteration ahead of the GPU: otherwise, at small
+    sizes, the events time the host's launch latency (a 1-kernel graph read 11-17 µs on the VM)."""
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
     for i in range(iters):
         rotate(i)
         ev[i][0].record()

@@ -88,7 +88,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
   static_assert(kCfg.worldSize <= kMaxPeers, "worldSize exceeds the peer array");
   constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
-  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = 4;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = kCfg.vecUnroll;
   const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
   uint64_t* sync = SyncWords(args);
   const uint64_t epoch = sync[kDispEpoch];
@@ -185,7 +185,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
   static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
   constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
-  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = 2;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = kCfg.vecUnroll;
   constexpr int kPerVec = 16 / sizeof(T);
   const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
   uint64_t* sync = SyncWords(args);

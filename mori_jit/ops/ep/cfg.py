@@ -58,6 +58,7 @@ class EpCfg:
     warpPerBlock: int = 16
     waveSize: int = 64
     useWeights: bool = True
+    vecUnroll: int = 4  # 16-byte vectors in flight per lane (per source in combine): memory-level parallelism
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -92,6 +93,7 @@ _RULES: list[tuple[Any, str]] = [
     (C.blockNum >= 1, "blockNum must be >= 1"),
     (C.warpPerBlock >= 1, "warpPerBlock must be >= 1"),
     (EpBlockThreads <= 1024, "warpPerBlock*waveSize must be <= 1024"),
+    ((C.vecUnroll >= 1) & (C.vecUnroll <= 8), "vecUnroll must be in 1..8"),
 ]
 
 
