@@ -283,13 +283,16 @@ def _job(rank, ws, args, ceiling, out_path):
             for n in args.tokens:
                 for blocks in args.blocks:
                     for warps in args.warps:
-                        sched = [(None, blocks, warps, blocks, max(4, warps // 2))]
+                        # both kernels get the geometry; they are timed separately, so one point
+                        # sweeps dispatch and combine independently
+                        sched = [(None, blocks, warps, blocks, warps)]
                         r = _bench_point(rank, ws, leg, n, args, ceiling, schedule=sched)
-                        r["geometry"] = {"blocks": blocks, "dispatch_warps": warps, "combine_warps": max(4, warps // 2)}
+                        r["geometry"] = {"blocks": blocks, "dispatch_warps": warps, "combine_warps": warps}
                         results.append(r)
                         if rank == 0:
                             print(f"sweep {leg} n={n} {blocks}x{warps}: disp {r['hip_graph']['dispatch_us']:.1f} "
-                                  f"comb {r['hip_graph']['combine_us']:.1f} us", flush=True)
+                                  f"comb {r['hip_graph']['combine_us']:.1f} zc {r['hip_graph_zerocopy']['combine_us']:.1f} us",
+                                  flush=True)
     else:
         for leg in args.legs:
             for n in args.tokens:
@@ -375,9 +378,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="sweep blocks x warps (hip graph mode only)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 132])
-    ap.add_argument("--warps", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--report", metavar="JSON", help="only rebuild the Markdown/PNG from a results file")
     args = ap.parse_args(argv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.report or args.out)), exist_ok=True)
     if args.report:
         print(report(args.report))
         return 0

@@ -21,7 +21,9 @@ MORI_DEVICE void wave_sync() { __syncwarp(); }
 // Index of the lowest set bit of a non-zero mask.
 MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<long long>(m)) - 1; }
 
-MORI_DEVICE void fence_system() { __threadfence_system(); }
+// acq_rel, not __threadfence_system()'s fence.sc: every use here is a release/acquire pairing,
+// and the SC fence is the slower one on Hopper.
+MORI_DEVICE void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 MORI_DEVICE void fence_device() { __threadfence(); }
 
 MORI_DEVICE int atomic_add_system(int* p, int v) { return atomicAdd_system(p, v); }
