@@ -147,6 +147,28 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     return {"dispatch_us": d_us, "combine_us": c_us}
 
 
+#: Phase stamps written by the kernels (``Stamp`` in kernels/ep/ep_intranode.hpp), as µs since
+#: the kernel's start: (label, stamp index, start index).
+PHASES = [("disp: block 0 tokens done", 1, 0), ("disp: all blocks arrived", 2, 0),
+          ("disp: peers' done flags seen", 3, 0), ("disp: end", 4, 0),
+          ("gap: disp end -> comb start", 8, 4),
+          ("comb: block 0 staged", 9, 8), ("comb: peers ready", 10, 8), ("comb: block 0 pulled", 11, 8),
+          ("comb: end", 12, 8)]
+
+
+def _phase_profile(op, g_disp, g_comb, reps: int = 15) -> dict:
+    """Median phase times of single replays, from the kernels' globaltimer stamps."""
+    a = op.arena
+    stamps = a.tensor[a.offsets["stamps"]:a.offsets["stamps"] + 16 * 8].view(torch.int64)
+    rows = []
+    for _ in range(reps):
+        dist.barrier()
+        g_disp.replay(), g_comb.replay()
+        torch.cuda.synchronize()
+        rows.append(stamps.tolist())
+    return {label: statistics.median((r[i] - r[j]) / 1e3 for r in rows) for label, i, j in PHASES}
+
+
 def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
     from mori_jit.ops.ep.golden import golden_check
@@ -234,6 +256,7 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 dist.barrier()
                 d_us, c_us = _time_pairs(lambda i: gd.replay(), lambda i: gz.replay(), args.iters, rotate)
                 res["hip_graph_zerocopy"] = {"dispatch_us": d_us, "combine_us": c_us}
+                res["phases_us"] = _phase_profile(op, gd, gz)
                 # the method's floor: a one-kernel graph (1-element add) timed the same way
                 z = torch.zeros(1, device=dev)
                 g0 = torch.cuda.CUDAGraph()
@@ -330,6 +353,9 @@ def report(path: str) -> str:
                 f"{100 * b['dispatch_remote'] / d / 1e3 / ceil:.0f} | {100 * b['combine_remote'] / c / 1e3 / ceil:.0f} | "
                 + (f"{t['dispatch_us'] / d:.2f} | {t['combine_us'] / c:.2f} |" if t else "– | – |")
                 + (f" {a['dispatch_us'] / d:.2f} | {a['combine_us'] / c:.2f} |" if a else " – | – |"))
+        if "phases_us" in r:
+            lines.append(f"| {r['leg']} | {r['tokens']} | phases (µs from kernel start) | "
+                         + "; ".join(f"{k} {v:.1f}" for k, v in r["phases_us"].items()) + " | | | | | | | | | |")
         if "graph_floor_us" in r:
             lines.append(f"| {r['leg']} | {r['tokens']} | floor: 1-kernel graph | {r['graph_floor_us']:.1f} | | | | | | | | |")
         if "host_overhead_us" in r:

@@ -149,6 +149,7 @@ def test_tuning_lookup_merges_misaligned_edges_and_clamps(monkeypatch):
     assert s.combine == ((16, 8), (16, 8), (132, 4), (132, 4))  # 200 clamped to 132 SMs
     assert [s.index(n) for n in (0, 128, 129, 256, 257, 1024, 1025, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
     # a dtype whose dispatch is unswept: default dispatch, but combine is dtype-free
+    monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "fp8", {})
     d = hip_tuning.lookup("fp8", 2, 7168, 8, 128, num_cus=132)
     assert d.edges == (256, None) and d.dispatch == (hip_tuning.DEFAULT_DISPATCH,) * 2
     assert d.combine == ((16, 8), (132, 4))

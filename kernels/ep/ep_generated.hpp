@@ -61,6 +61,7 @@ struct EpArgs {
   uint64_t off_comb_stage_wts;  // combine staging weights [maxRecv, k] f32 (read by peers)
   uint64_t off_xdb;  // cross-device flags [2, EP_MAX_PEERS] u64: dispatch-done and combine-ready, by source
   uint64_t off_sync;  // local sync words [8] u64: block counters and device-side epochs
+  uint64_t off_stamps;  // phase timestamps [16] u64 (globaltimer ns) of the last call, for profiling (local)
 };
 static_assert(offsetof(EpArgs, inpTok) == 0, "EpArgs.inpTok moved");
 static_assert(offsetof(EpArgs, inpWeights) == 8, "EpArgs.inpWeights moved");
@@ -84,7 +85,8 @@ static_assert(offsetof(EpArgs, off_comb_stage) == 192, "EpArgs.off_comb_stage mo
 static_assert(offsetof(EpArgs, off_comb_stage_wts) == 200, "EpArgs.off_comb_stage_wts moved");
 static_assert(offsetof(EpArgs, off_xdb) == 208, "EpArgs.off_xdb moved");
 static_assert(offsetof(EpArgs, off_sync) == 216, "EpArgs.off_sync moved");
-static_assert(sizeof(EpArgs) == 224, "EpArgs size changed");
+static_assert(offsetof(EpArgs, off_stamps) == 224, "EpArgs.off_stamps moved");
+static_assert(sizeof(EpArgs) == 232, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

@@ -34,12 +34,19 @@ enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1 };
 constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
 constexpr uint64_t kErrTimeout = 0x4d4f5249ull;  // "MORI"
 
+// Phase timestamps (the `stamps` region, globaltimer ns; one thread each, negligible cost).
+enum Stamp : int {
+  kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4,
+  kStCombStart = 8, kStCombStaged = 9, kStCombPeersReady = 10, kStCombPulled = 11, kStCombEnd = 12,
+};
+
 template <typename P>
 MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {
   return reinterpret_cast<P*>(a.peerBase[pe] + off);
 }
 
 MORI_DEVICE uint64_t* SyncWords(const EpArgs& a) { return At<uint64_t>(a, a.rank, a.off_sync); }
+MORI_DEVICE void StampAt(const EpArgs& a, Stamp s) { At<uint64_t>(a, a.rank, a.off_stamps)[s] = plat::now_ns(); }
 MORI_DEVICE uint64_t* XdbFlags(const EpArgs& a, int pe, int row) {
   return At<uint64_t>(a, pe, a.off_xdb) + row * kMaxPeers;
 }
@@ -94,6 +101,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   const uint64_t epoch = sync[kDispEpoch];
   const int parity = int(epoch & 1);
   int* tokOff = At<int>(args, rank, args.off_tok_off);
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
 
   const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
   const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
@@ -155,8 +163,10 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     }
   }
 
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
   if (!LastBlockArrives(args, kDispBlocks)) return;
   // Last block: tell every peer this rank is done, wait for all of them, publish the count.
+  if (threadIdx.x == 0) StampAt(args, kStDispAllArrived);
   const uint64_t target = epoch + 1;
   if (threadIdx.x < kWs) {
     plat::fence_system();
@@ -166,10 +176,12 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
                                      kWaitDispatchDone, threadIdx.x);
   __syncthreads();
   if (threadIdx.x == 0) {
+    StampAt(args, kStDispPeersDone);
     int* recvNum = At<int>(args, rank, args.off_recv_num);
     *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
     recvNum[parity] = 0;  // peers' next use of this counter is two epochs away (see header comment)
     sync[kDispEpoch] = target;
+    StampAt(args, kStDispEnd);
   }
 }
 
@@ -195,6 +207,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // y_w) must still stage the weights its peers will pull. Every rank passes weights, or none does.
   const bool stageWeights = kCfg.useWeights && args.inpWeights != nullptr;
   const bool sumWeights = stageWeights && args.outWeights != nullptr;
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombStart);
 
   // 1. Stage the expert output (and weights) into this rank's symmetric staging region.
   vec16_t* stage = At<vec16_t>(args, rank, args.off_comb_stage);
@@ -219,12 +232,14 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   }
 
   // 2. Cross-device barrier: the last block to finish staging tells every peer; all blocks wait.
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombStaged);
   const uint64_t target = epoch + 1;
   if (LastBlockArrives(args, kStageBlocks) && threadIdx.x < kWs)
     plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
   if (threadIdx.x < kWs)
     WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target, kWaitCombineReady, threadIdx.x);
   __syncthreads();  // the acquire loads above, then the barrier, order every thread's peer loads
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombPeersReady);
 
   // 3. Pull and sum: one wave per local token; lane < k holds one forward-map entry.
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
@@ -286,7 +301,11 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   }
 
   // 4. Advance the combine epoch on the device once every block is done with it.
-  if (LastBlockArrives(args, kCombBlocks) && threadIdx.x == 0) sync[kCombEpoch] = target;
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombPulled);
+  if (LastBlockArrives(args, kCombBlocks) && threadIdx.x == 0) {
+    sync[kCombEpoch] = target;
+    StampAt(args, kStCombEnd);
+  }
 }
 
 }  // namespace mori::ep

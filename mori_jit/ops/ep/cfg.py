@@ -127,6 +127,7 @@ EP_REGIONS: dict[str, str] = {
     "comb_stage_wts": "combine staging weights [maxRecv, k] f32 (read by peers)",
     "xdb": "cross-device flags [2, EP_MAX_PEERS] u64: dispatch-done and combine-ready, by source",
     "sync": "local sync words [8] u64: block counters and device-side epochs",
+    "stamps": "phase timestamps [16] u64 (globaltimer ns) of the last call, for profiling (local)",
 }
 
 EP_ARGS = ArgsSchema("EpArgs", [
@@ -157,7 +158,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * 4,
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
         "comb_stage": recv * EpTokenBytes(comb), "comb_stage_wts": recv * k * 4,
-        "xdb": 2 * EP_MAX_PEERS * 8, "sync": 8 * 8,
+        "xdb": 2 * EP_MAX_PEERS * 8, "sync": 8 * 8, "stamps": 16 * 8,
     }
 
 

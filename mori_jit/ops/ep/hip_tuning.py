@@ -27,21 +27,26 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
 #
-# sm_90a, EP2, hidden 7168, topk 8 (docs/PERF.md "Sweep", docs/bench/sweep_ep2_bf16.json, graph mode):
-#   dispatch  128 tok: 32x16 20.6 µs | 64x8 22.4 | 132x8 22.3 | 64x16 28.6 (spread ±4 µs: take the smallest)
-#            4096 tok: 132x8 184.2 µs | 132x16 184.6 | 64x16 189.9 | 64x8 196.6 | 32x16 207.1
-#   combine  128 tok: 64x8 36.6 µs | 132x8 36.5 | 32x8 40.3;  4096 tok: 132x8 320.9 | 64x8 480.3 | 32x8 875.7,
-#            and 132x16 268.9 in the bench run (more loads in flight for the staging copy and the pull).
-# Only the 128 and 4096 points were swept, so the edge sits at the measured 128; experts_per_rank
-# was not varied (128 per rank only), so these keys are exact, not wildcards. fp8 dispatch has not
-# been swept: it falls back to the default.
+# sm_90a, EP2, hidden 7168, topk 8, 128 experts per rank: docs/PERF.md "Sweep (session 2)", raw data
+# docs/bench/session2/sweep_*.json (device run 5, graph mode, the GPU queued ahead of the host).
+# Noise between two runs of one point is about ±1 µs at 128/512 tokens and ±2 µs at 4096.
+#   dispatch bf16  128: 64x4 15.6 | 32x8 15.9 | 64x8 15.9 | 132x4 16.0 | 32x4 16.3 | 16x8 16.8 | x16 ~20
+#                  512: 132x4 31.6 | 132x8 31.6 | 64x8 31.9 | 64x16 32.8 | 64x4 33.5 | 16x16 34.6
+#                 4096: 132x16 182.3 | 132x8 182.6 | 132x4 185.1 | 64x16 187.4 | 64x8 192.0
+#   dispatch fp8   128: 64x8 13.8 | 132x8 14.1 | 32x8 14.8 | 32x16 16.6;  4096: 132x16 104.0 | 132x8 104.7
+#   combine (staging copy / zero-copy)
+#                  128: 132x8 26.7/25.1 | 132x4 26.9/23.9 | 64x8 28.5/25.5 | 64x4 30.0/23.9
+#                  512: 132x16 42.1/37.1 | 132x8 42.9/36.9 | 64x16 43.3/37.0 | 64x8 49.0/36.4
+#                 4096: 132x16 266.5/190.6 | 132x8 312.2/192.0 | 64x16 315.0/192.1
+# Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
+# so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
-    "bf16": {(2, 7168, 8, 128): [(128, 32, 16), (None, 132, 8)]},
-    "fp8": {},
+    "bf16": {(2, 7168, 8, 128): [(128, 32, 4), (512, 64, 8), (None, 132, 8)]},
+    "fp8": {(2, 7168, 8, 128): [(128, 32, 8), (None, 132, 8)]},
 }
 # (world_size, hidden, topk, experts_per_rank | None) -> buckets
 COMBINE_TABLE: dict[tuple, list[Bucket]] = {
-    (2, 7168, 8, 128): [(128, 64, 8), (None, 132, 16)],
+    (2, 7168, 8, 128): [(128, 132, 4), (512, 132, 8), (None, 132, 16)],
 }
 
 
