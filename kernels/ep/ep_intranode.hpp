@@ -12,7 +12,7 @@
 //
 // Combine (gather/pull): copy the expert output into the symmetric staging region (skipped when the
 // expert wrote there), a cross-device barrier, then each rank pulls its tokens' rows from the peers'
-// staging regions and sums them in fp32.
+// staging regions and sums them in fp32, one wave per (token, chunk of the row).
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.
@@ -106,6 +106,13 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
   const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
   for (int t = wave; t < n; t += numWaves) {
+    const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
+                                                          size_t(t) * EpTokenBytes(kCfg));
+    // The first batch of loads does not depend on the slots: issue it before the atomic round trip.
+    vec16_t buf[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (lane + u * kW < kVecs) buf[u] = plat::load_stream(src + lane + u * kW);
     int pe = -1;
     int expert = -1;
     if (lane < kK) {
@@ -145,13 +152,12 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
       dstSlot[numDst] = plat::shfl(slot, b);
       ++numDst;
     }
-    const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
-                                                          size_t(t) * EpTokenBytes(kCfg));
     for (int v0 = lane; v0 < kVecs; v0 += kW * kUnroll) {
-      vec16_t buf[kUnroll];
+      if (v0 != lane) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
+      }
 #pragma unroll
       for (int d = 0; d < kWs; ++d) {
         if (d >= numDst) break;
@@ -241,11 +247,15 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   __syncthreads();  // the acquire loads above, then the barrier, order every thread's peer loads
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombPeersReady);
 
-  // 3. Pull and sum: one wave per local token; lane < k holds one forward-map entry.
+  // 3. Pull and sum. A work item is one chunk of one token (kW * kUnroll vectors: one load per
+  // unroll slot per lane), so each item costs a single peer round trip and a small batch spreads
+  // over many waves instead of walking one row serially. Lane < k holds one forward-map entry.
+  constexpr int kChunkVecs = kW * kUnroll, kChunks = (kVecs + kChunkVecs - 1) / kChunkVecs;
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
   const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
   const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
-  for (int t = wave; t < n; t += numWaves) {
+  for (int item = wave; item < n * kChunks; item += numWaves) {
+    const int t = item / kChunks, chunk = item % kChunks;
     const int flat = lane < kK ? tokOff[t * kK + lane] : -1;
     const uint64_t srcs = plat::ballot(flat >= 0);
     const vec16_t* rows[kWs];
@@ -259,7 +269,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
       ++numSrc;
     }
     vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
-    for (int v0 = lane; v0 < kVecs; v0 += kW * kUnroll) {
+    const int v0 = chunk * kChunkVecs + lane;
+    {
       float acc[kUnroll][kPerVec];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -289,7 +300,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
         out[v0 + u * kW] = o;
       }
     }
-    if (sumWeights) {
+    if (sumWeights && chunk == 0) {
       float w = 0.f;
       for (uint64_t m = srcs; m; m &= m - 1) {
         const int f = plat::shfl(flat, plat::lowest_bit(m));
