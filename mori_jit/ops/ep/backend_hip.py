@@ -29,8 +29,9 @@ __all__ = ["EpDispatchCombineOpHip", "HipRouting"]
 # Must match kernels/ep/ep_intranode.hpp (kErrTimeout, kErrShortInput, WaitId).
 _ERR_TIMEOUT, _ERR_SHORT_INPUT = 0x4D4F5249, 0x53484F52
 _WAITS = {1: "dispatch: waiting for a peer's dispatch-done flag",
-          2: "combine: waiting for a peer's combine-ready flag (cross-device barrier)"}
-_SYNC_REGIONS = ("recv_num", "total_recv", "xdb", "sync")
+          2: "combine: waiting for a peer's combine-ready flag (cross-device barrier)",
+          3: "dispatch: waiting for another wave's claim of a slot"}
+_SYNC_REGIONS = ("recv_num", "total_recv", "xdb", "sync", "disp_slot")
 
 
 class HipRouting(NamedTuple):
@@ -122,8 +123,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         def combine(v, inp, weights, routing):
             n = routing.num_tokens
-            y = torch.empty((n, hidden), dtype=cfg.combine_dtype, device=dev)
-            y_w = torch.empty((n, k), dtype=torch.float32, device=dev) if weights is not None else None
+            # new_empty: same dtype and device as the validated inputs, without torch.empty's kwarg parsing
+            y = inp.new_empty((n, hidden))
+            y_w = weights.new_empty((n, k)) if weights is not None else None
             cargs.inpTok = inp.data_ptr()
             cargs.inpWeights = weights.data_ptr() if weights is not None else 0
             cargs.outTok = y.data_ptr()
