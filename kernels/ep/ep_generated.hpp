@@ -55,7 +55,6 @@ struct EpArgs {
   uint64_t off_out_idx;  // received expert ids [maxRecv, k] i32 (written by peers)
   uint64_t off_recv_to_src;  // reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)
   uint64_t off_tok_off;  // forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)
-  uint64_t off_disp_slot;  // slot claims [M, worldSize] u64: (call tag << 32) | slot, shared by a token's chunks (local)
   uint64_t off_recv_num;  // slot counters [2] i32, by epoch parity (peers add atomically)
   uint64_t off_total_recv;  // received rows of the last dispatch [1] i32 (local)
   uint64_t off_comb_stage;  // combine staging [maxRecv, combine tokenBytes] (read by peers)
@@ -80,15 +79,14 @@ static_assert(offsetof(EpArgs, off_out_wts) == 144, "EpArgs.off_out_wts moved");
 static_assert(offsetof(EpArgs, off_out_idx) == 152, "EpArgs.off_out_idx moved");
 static_assert(offsetof(EpArgs, off_recv_to_src) == 160, "EpArgs.off_recv_to_src moved");
 static_assert(offsetof(EpArgs, off_tok_off) == 168, "EpArgs.off_tok_off moved");
-static_assert(offsetof(EpArgs, off_disp_slot) == 176, "EpArgs.off_disp_slot moved");
-static_assert(offsetof(EpArgs, off_recv_num) == 184, "EpArgs.off_recv_num moved");
-static_assert(offsetof(EpArgs, off_total_recv) == 192, "EpArgs.off_total_recv moved");
-static_assert(offsetof(EpArgs, off_comb_stage) == 200, "EpArgs.off_comb_stage moved");
-static_assert(offsetof(EpArgs, off_comb_stage_wts) == 208, "EpArgs.off_comb_stage_wts moved");
-static_assert(offsetof(EpArgs, off_xdb) == 216, "EpArgs.off_xdb moved");
-static_assert(offsetof(EpArgs, off_sync) == 224, "EpArgs.off_sync moved");
-static_assert(offsetof(EpArgs, off_stamps) == 232, "EpArgs.off_stamps moved");
-static_assert(sizeof(EpArgs) == 240, "EpArgs size changed");
+static_assert(offsetof(EpArgs, off_recv_num) == 176, "EpArgs.off_recv_num moved");
+static_assert(offsetof(EpArgs, off_total_recv) == 184, "EpArgs.off_total_recv moved");
+static_assert(offsetof(EpArgs, off_comb_stage) == 192, "EpArgs.off_comb_stage moved");
+static_assert(offsetof(EpArgs, off_comb_stage_wts) == 200, "EpArgs.off_comb_stage_wts moved");
+static_assert(offsetof(EpArgs, off_xdb) == 208, "EpArgs.off_xdb moved");
+static_assert(offsetof(EpArgs, off_sync) == 216, "EpArgs.off_sync moved");
+static_assert(offsetof(EpArgs, off_stamps) == 224, "EpArgs.off_stamps moved");
+static_assert(sizeof(EpArgs) == 232, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

@@ -27,7 +27,7 @@ using plat::vec16_t;
 // Sync-word layout of the local `sync` region (u64 words).
 enum SyncWord : int { kDispBlocks = 0, kStageBlocks = 1, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5 };
 // Which spin-wait timed out (high bits of the error detail word).
-enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineReady = 2, kWaitDispatchSlot = 3 };
+enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineReady = 2 };
 constexpr uint64_t kErrShortInput = 0x53484f52ull;  // "SHOR": combine input has fewer rows than received
 // Cross-device flag rows of the `xdb` region.
 enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1 };
@@ -88,36 +88,6 @@ MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   return last;
 }
 
-// The slot of token t on rank pe for this call, claimed by the first chunk of the token to get here
-// (it takes the peer's atomic slot and writes the reverse map); the other chunks read it. The word
-// is (tag << 32) | slot, tag = this call's epoch tag, so a word left by an earlier call never
-// matches and nothing needs clearing between calls. -1 after a timed-out wait (recorded).
-template <EpCfg kCfg>
-MORI_DEVICE int ClaimSlot(const EpArgs& a, uint64_t* word, uint32_t tag, int pe, int parity, int t) {
-  constexpr uint32_t kClaiming = 0xFFFFFFFFu;
-  uint64_t cur = plat::load_acquire_device(word);
-  if (uint32_t(cur >> 32) != tag &&
-      plat::atomic_cas_device(word, cur, (uint64_t(tag) << 32) | kClaiming) == cur) {
-    const int slot = plat::atomic_add_system(At<int>(a, pe, a.off_recv_num) + parity, 1);
-    At<int>(a, pe, a.off_recv_to_src)[slot] = a.rank * kCfg.maxTokPerRank + t;
-    plat::store_release_device(word, (uint64_t(tag) << 32) | uint32_t(slot));
-    return slot;
-  }
-  const uint64_t t0 = plat::now_ns();
-  while (uint32_t(cur >> 32) != tag || uint32_t(cur) == kClaiming) {
-    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      volatile uint64_t* err = a.errWord;
-      err[1] = (uint64_t(kWaitDispatchSlot) << 48) | (uint64_t(pe) << 32) | (uint64_t(a.rank) << 16);
-      err[2] = tag;
-      plat::fence_system();
-      err[0] = kErrTimeout;
-      return -1;
-    }
-    cur = plat::load_acquire_device(word);
-  }
-  return int(uint32_t(cur));
-}
-
 template <EpCfg kCfg, typename T>
 MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   static_assert(EpIsValid(kCfg), "invalid EpCfg");
@@ -133,27 +103,20 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   int* tokOff = At<int>(args, rank, args.off_tok_off);
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
 
-  // A work item is one chunk of one token's row (kW * kUnroll vectors, one load per unroll slot
-  // per lane), so a small batch spreads over many waves; the slot per destination is claimed by
-  // whichever chunk of the token gets there first (ClaimSlot), and chunk 0 writes the metadata.
-  constexpr int kChunkVecs = kW * kUnroll, kChunks = (kVecs + kChunkVecs - 1) / kChunkVecs;
-  uint64_t* slotWords = At<uint64_t>(args, rank, args.off_disp_slot);
-  const uint32_t tag = uint32_t(epoch % 0xFFFFFFFFull) + 1;  // 1..2^32-1: never the zeroed word
   const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
   const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
-  for (int item = wave; item < n * kChunks; item += numWaves) {
-    const int t = item / kChunks, chunk = item % kChunks;
+  for (int t = wave; t < n; t += numWaves) {
     const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
                                                           size_t(t) * EpTokenBytes(kCfg));
-    const int v0 = chunk * kChunkVecs + lane;
-    // The loads do not depend on the slots: issue them before the slot's round trip.
+    // The first batch of loads does not depend on the slots: issue it before the atomic round trip.
     vec16_t buf[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
+      if (lane + u * kW < kVecs) buf[u] = plat::load_stream(src + lane + u * kW);
     int pe = -1;
+    int expert = -1;
     if (lane < kK) {
-      const int expert = args.inpIndices[t * kK + lane];
+      expert = args.inpIndices[t * kK + lane];
       if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
     }
     bool first = pe >= 0;
@@ -163,28 +126,46 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
       if (l < lane && other == pe) first = false;
     }
     int slot = -1;
-    if (first) slot = ClaimSlot<kCfg>(args, slotWords + t * kWs + pe, tag, pe, parity, t);
-    if (slot < 0) first = false;  // only after a timed-out wait, which is recorded
-    const uint64_t dests = plat::ballot(first);
-    if (chunk == 0) {
-      if (lane < kK) tokOff[t * kK + lane] = first ? pe * kRecv + slot : -1;
-      // Weights and ids: lanes < k, once per destination.
-      for (uint64_t m = dests; m; m &= m - 1) {
-        const int b = plat::lowest_bit(m);
-        const int dpe = plat::shfl(pe, b), dslot = plat::shfl(slot, b);
-        if (lane < kK) {
-          if (kCfg.useWeights && args.inpWeights != nullptr) At<float>(args, dpe, args.off_out_wts)[dslot * kK + lane] = args.inpWeights[t * kK + lane];
-          At<int>(args, dpe, args.off_out_idx)[dslot * kK + lane] = args.inpIndices[t * kK + lane];
-        }
+    if (first) {
+      slot = plat::atomic_add_system(At<int>(args, pe, args.off_recv_num) + parity, 1);
+      At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
+    }
+    if (lane < kK) tokOff[t * kK + lane] = first ? pe * kRecv + slot : -1;
+    uint64_t dests = plat::ballot(first);
+
+    // Weights and ids: lanes < k, once per destination.
+    for (uint64_t m = dests; m; m &= m - 1) {
+      const int b = plat::lowest_bit(m);
+      const int dpe = plat::shfl(pe, b), dslot = plat::shfl(slot, b);
+      if (lane < kK) {
+        if (kCfg.useWeights && args.inpWeights != nullptr) At<float>(args, dpe, args.off_out_wts)[dslot * kK + lane] = args.inpWeights[t * kK + lane];
+        At<int>(args, dpe, args.off_out_idx)[dslot * kK + lane] = args.inpIndices[t * kK + lane];
       }
     }
     // Payload: each vector is loaded once and stored to every destination.
+    int dstPe[kWs], dstSlot[kWs], numDst = 0;
+#pragma unroll
+    for (int i = 0; i < kWs; ++i) dstPe[i] = dstSlot[i] = 0;
     for (uint64_t m = dests; m; m &= m - 1) {
       const int b = plat::lowest_bit(m);
-      vec16_t* dst = At<vec16_t>(args, plat::shfl(pe, b), args.off_disp_out) + size_t(plat::shfl(slot, b)) * kVecs;
+      dstPe[numDst] = plat::shfl(pe, b);
+      dstSlot[numDst] = plat::shfl(slot, b);
+      ++numDst;
+    }
+    for (int v0 = lane; v0 < kVecs; v0 += kW * kUnroll) {
+      if (v0 != lane) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
+      }
+#pragma unroll
+      for (int d = 0; d < kWs; ++d) {
+        if (d >= numDst) break;
+        vec16_t* dst = At<vec16_t>(args, dstPe[d], args.off_disp_out) + size_t(dstSlot[d]) * kVecs;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+      }
     }
   }
 

@@ -44,17 +44,6 @@ MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
 MORI_DEVICE void store_release_system(uint64_t* p, uint64_t v) {
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
-MORI_DEVICE uint64_t load_acquire_device(const uint64_t* p) {
-  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
-}
-MORI_DEVICE void store_release_device(uint64_t* p, uint64_t v) {
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
-}
-// Returns the old value (== cmp on success).
-MORI_DEVICE uint64_t atomic_cas_device(uint64_t* p, uint64_t cmp, uint64_t v) {
-  __hip_atomic_compare_exchange_strong(p, &cmp, v, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
-  return cmp;
-}
 MORI_DEVICE int load_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
 // Nanoseconds from the constant 100 MHz wall clock (gfx9), for bounded spin-waits.

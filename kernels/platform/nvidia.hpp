@@ -37,18 +37,6 @@ MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
 MORI_DEVICE void store_release_system(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-MORI_DEVICE uint64_t load_acquire_device(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-MORI_DEVICE void store_release_device(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-// Returns the old value (== cmp on success).
-MORI_DEVICE uint64_t atomic_cas_device(uint64_t* p, uint64_t cmp, uint64_t v) {
-  return atomicCAS(reinterpret_cast<unsigned long long*>(p), cmp, v);
-}
 MORI_DEVICE int load_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
 // Nanoseconds of a global clock, for bounded spin-waits.

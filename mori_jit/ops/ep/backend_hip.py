@@ -29,9 +29,8 @@ __all__ = ["EpDispatchCombineOpHip", "HipRouting"]
 # Must match kernels/ep/ep_intranode.hpp (kErrTimeout, kErrShortInput, WaitId).
 _ERR_TIMEOUT, _ERR_SHORT_INPUT = 0x4D4F5249, 0x53484F52
 _WAITS = {1: "dispatch: waiting for a peer's dispatch-done flag",
-          2: "combine: waiting for a peer's combine-ready flag (cross-device barrier)",
-          3: "dispatch: waiting for another wave's claim of a slot"}
-_SYNC_REGIONS = ("recv_num", "total_recv", "xdb", "sync", "disp_slot")
+          2: "combine: waiting for a peer's combine-ready flag (cross-device barrier)"}
+_SYNC_REGIONS = ("recv_num", "total_recv", "xdb", "sync")
 
 
 class HipRouting(NamedTuple):

@@ -121,7 +121,6 @@ EP_REGIONS: dict[str, str] = {
     "out_idx": "received expert ids [maxRecv, k] i32 (written by peers)",
     "recv_to_src": "reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)",
     "tok_off": "forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)",
-    "disp_slot": "slot claims [M, worldSize] u64: (call tag << 32) | slot, shared by a token's chunks (local)",
     "recv_num": "slot counters [2] i32, by epoch parity (peers add atomically)",
     "total_recv": "received rows of the last dispatch [1] i32 (local)",
     "comb_stage": "combine staging [maxRecv, combine tokenBytes] (read by peers)",
@@ -157,7 +156,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
     recv, k, m = EpMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank
     return {
         "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * 4,
-        "recv_to_src": recv * 4, "tok_off": m * k * 4, "disp_slot": m * disp.worldSize * 8, "recv_num": 2 * 4, "total_recv": 4,
+        "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
         "comb_stage": recv * EpTokenBytes(comb), "comb_stage_wts": recv * k * 4,
         "xdb": 2 * EP_MAX_PEERS * 8, "sync": 8 * 8, "stamps": 16 * 8,
     }
