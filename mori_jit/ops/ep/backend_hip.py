@@ -122,9 +122,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         def combine(v, inp, weights, routing):
             n = routing.num_tokens
-            # new_empty: same dtype and device as the validated inputs, without torch.empty's kwarg parsing
-            y = inp.new_empty((n, hidden))
-            y_w = weights.new_empty((n, k)) if weights is not None else None
+            y = torch.empty((n, hidden), dtype=cfg.combine_dtype, device=dev)
+            y_w = torch.empty((n, k), dtype=torch.float32, device=dev) if weights is not None else None
             cargs.inpTok = inp.data_ptr()
             cargs.inpWeights = weights.data_ptr() if weights is not None else 0
             cargs.outTok = y.data_ptr()
