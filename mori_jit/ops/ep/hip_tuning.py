@@ -38,15 +38,23 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 #                  128: 132x8 26.7/25.1 | 132x4 26.9/23.9 | 64x8 28.5/25.5 | 64x4 30.0/23.9
 #                  512: 132x16 42.1/37.1 | 132x8 42.9/36.9 | 64x16 43.3/37.0 | 64x8 49.0/36.4
 #                 4096: 132x16 266.5/190.6 | 132x8 312.2/192.0 | 64x16 315.0/192.1
+# sm_90a, EP1 (one GPU, 256 experts), bf16, device run 6, docs/bench/session2/sweep_ep1_bf16.json:
+#   dispatch  128: 64x4 11.3 | 132x4 11.3 | 32x4 11.6 | 32x8 11.6 | x16 ~14;  4096: 132x16 39.9 | 132x8 44.3
+#   combine   128: 132x4 16.4/15.3 | 132x8 17.7/17.1 | 64x4 18.0/15.1 | 32x4 20.7/14.9
+#            4096: 132x16 82.2/44.1 | 132x8 114.1/52.8 | 64x16 123.1/60.4
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
+# Both sweeps predate the chunked combine pull (device run 7), which shortens small-batch combines;
+# the combine optimum at 128 tokens may have moved and has not been re-swept.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
-    "bf16": {(2, 7168, 8, 128): [(128, 32, 4), (512, 64, 8), (None, 132, 8)]},
+    "bf16": {(2, 7168, 8, 128): [(128, 32, 4), (512, 64, 8), (None, 132, 8)],
+             (1, 7168, 8, 256): [(128, 32, 4), (None, 132, 16)]},
     "fp8": {(2, 7168, 8, 128): [(128, 32, 8), (None, 132, 8)]},
 }
 # (world_size, hidden, topk, experts_per_rank | None) -> buckets
 COMBINE_TABLE: dict[tuple, list[Bucket]] = {
     (2, 7168, 8, 128): [(128, 132, 4), (512, 132, 8), (None, 132, 16)],
+    (1, 7168, 8, 256): [(128, 132, 4), (None, 132, 16)],
 }
 
 
