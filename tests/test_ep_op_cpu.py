@@ -186,3 +186,25 @@ def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):
     monkeypatch.setenv("MORI_V2_EP_COMBINE_BLOCK_NUM", "200")
     with pytest.raises(ConfigError, match="combine blockNum=200 exceeds the 132"):
         ep_variants(cfg, "sm_90a", 132)
+
+
+def _shipped_entries():
+    for dtype, table in hip_tuning.DISPATCH_TABLE.items():
+        for key, buckets in table.items():
+            yield DISPATCH, dtype, key, buckets
+    for key, buckets in hip_tuning.COMBINE_TABLE.items():
+        yield COMBINE, "bf16", key, buckets
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "gfx942"])
+def test_shipped_tuning_tables_are_well_formed(arch):
+    entries = list(_shipped_entries())
+    assert entries, "the shipped tables are empty"
+    for kind, dtype, (ws, hidden, k, epr), buckets in entries:
+        edges = [b[0] for b in buckets]
+        assert edges[-1] is None and None not in edges[:-1], f"{kind} {ws, hidden, k, epr}: last bucket must be open"
+        assert edges[:-1] == sorted(set(edges[:-1])), f"{kind} {ws, hidden, k, epr}: edges must increase"
+        for _, blocks, warps in buckets:  # every geometry builds a valid EpCfg for the key's shape
+            make_ep_cfg(kind, arch, {"worldSize": ws, "hiddenDim": hidden, "numExpertPerToken": k,
+                                     "numExpertPerRank": epr or 8, "maxTokPerRank": 4096,
+                                     "dtype": EpDType.coerce(dtype), "blockNum": blocks, "warpPerBlock": warps})
