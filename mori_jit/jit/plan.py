@@ -305,6 +305,17 @@ def _check_struct_type(obj: Any, layout: tuple, size: int, who: str) -> None:
 # plans
 # --------------------------------------------------------------------------------------------------
 
+def _bind_launch_buffers(obj: Any) -> None:
+    """Give ``obj`` (a Plan or LaunchGroup with ``_ctype``) its reusable args struct and the
+    ``void*[1]`` kernel-params arrays: one pointing at that struct, one filled per call with a
+    caller's struct (``launch_struct``)."""
+    obj._buf = obj._ctype()
+    obj._kp = (ctypes.c_void_p * 1)(ctypes.addressof(obj._buf))
+    obj._kp_addr = ctypes.addressof(obj._kp)
+    obj._kp_user = (ctypes.c_void_p * 1)()
+    obj._kp_user_addr = ctypes.addressof(obj._kp_user)
+
+
 class Plan:
     """One kernel specialization, loaded on one device, with a bound launch path.
 
@@ -333,11 +344,7 @@ class Plan:
         self._ctype = spec.args.ctype
         self._packer = ArgsPacker.for_schema(spec.args)
         self._pack = self._packer.pack
-        self._buf = self._ctype()
-        self._kp = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
-        self._kp_addr = ctypes.addressof(self._kp)
-        self._kp_user = (ctypes.c_void_p * 1)()
-        self._kp_user_addr = ctypes.addressof(self._kp_user)
+        _bind_launch_buffers(self)
         g = self.geometry
         self.grid, self.block, self.shared_bytes = as_dim3(g.grid), as_dim3(g.block), int(g.shared_bytes)
         self._launch = runtime.launcher(function, self.grid, self.block, self.shared_bytes, self.device)
@@ -489,11 +496,7 @@ class LaunchGroup:
         self._ctype = first._ctype
         self._packer = first._packer
         self._pack = self._packer.pack
-        self._buf = self._ctype()
-        self._kp = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
-        self._kp_addr = ctypes.addressof(self._kp)
-        self._kp_user = (ctypes.c_void_p * 1)()
-        self._kp_user_addr = ctypes.addressof(self._kp_user)
+        _bind_launch_buffers(self)
         self._launchers = tuple(p._launch for p in self.plans)
         self._stream = first._stream
 
