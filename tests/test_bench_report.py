@@ -1,0 +1,37 @@
+"""CPU test of scripts/bench_ep.py's report: the derived columns are computed from the raw times."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from conftest import REPO
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_ep", REPO / "scripts" / "bench_ep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
+    hidden, rows, remote = 7168, 1000, 400
+    point = {"leg": "bf16", "tokens": 512, "ws": 2, "recv_rows": rows, "remote_rows": remote,
+             "bytes": {"dispatch_remote": remote * hidden * 2, "combine_remote": remote * hidden * 2,
+                       "dispatch_algo": rows * hidden * 2, "combine_algo": rows * hidden * 2},
+             "hip_graph": {"dispatch_us": 20.0, "combine_us": 25.0},
+             "torch_eager": {"dispatch_us": 200.0, "combine_us": 100.0},
+             "nccl_a2a": {"dispatch_us": 30.0, "combine_us": 50.0},
+             "graph_floor_us": 4.5, "host_overhead_us": {"dispatch": 9.0, "combine": 14.0, "torch_empty": 3.0}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"link_ceiling_gbps": 400.0, "sm_link_rates": {"sm_pull_both_gbps": 370.0},
+                                "results": [point]}))
+    md = _bench_module().report(str(path))
+    row = next(ln for ln in md.splitlines() if "| hip_graph |" in ln)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    algo = rows * hidden * 2 / 20.0 / 1e3            # GB/s
+    link = 100 * remote * hidden * 2 / 20.0 / 1e3 / 400.0
+    assert cells[5] == f"{algo:.0f}" and cells[6] == f"{link:.0f}"
+    assert cells[8:12] == ["10.00", "4.00", "1.50", "2.00"]  # torch / hip and a2a / hip
+    assert "pull_both 370" in md and "floor: 1-kernel graph | 4.5" in md
+    assert (tmp_path / "r.md").read_text().strip() == md.strip()
