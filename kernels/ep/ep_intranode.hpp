@@ -69,11 +69,11 @@ MORI_DEVICE bool WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t tar
 }
 
 // True in exactly one block: the last one to arrive at counter `word` (which it resets).
-// One fence per block, not per thread (the cooperative-groups grid-sync pattern): the barrier
-// orders the block's stores before thread 0's fence, and fences are cumulative. A fence in every
-// thread is one MEMBAR.SYS per warp, each waiting for that warp's peer stores.
+// Where the platform allows (plat::kFenceEveryWave false), one fence per block, by thread 0 after
+// the barrier; otherwise every wave fences its own stores first.
 MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   __shared__ int last;
+  if constexpr (plat::kFenceEveryWave) plat::fence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     plat::fence_system();  // the block's peer stores are visible system-wide before it is counted
@@ -245,6 +245,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   if (threadIdx.x < kWs)
     WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target, kWaitCombineReady, threadIdx.x);
   __syncthreads();  // the acquire loads above, then the barrier, order every thread's peer loads
+  if constexpr (plat::kFenceEveryWave) plat::fence_system();
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombPeersReady);
 
   // 3. Pull and sum. A work item is one chunk of one token (kW * kUnroll vectors: one load per

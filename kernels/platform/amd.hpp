@@ -28,6 +28,10 @@ MORI_DEVICE void wave_sync() {}
 // Index of the lowest set bit of a non-zero mask.
 MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<unsigned long long>(m)) - 1; }
 
+// Whether each wave must fence its own peer stores before a block barrier publishes them (and
+// fence again after the barrier that follows an acquire). On AMD a fence waits only on the
+// executing wave's outstanding memory operations, so every wave fences (as mscclpp's grid sync does).
+constexpr bool kFenceEveryWave = true;
 MORI_DEVICE void fence_system() { __threadfence_system(); }
 MORI_DEVICE void fence_device() { __threadfence(); }
 

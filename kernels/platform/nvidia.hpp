@@ -23,6 +23,11 @@ MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<long long>(m
 
 // acq_rel, not __threadfence_system()'s fence.sc: every use here is a release/acquire pairing,
 // and the SC fence is the slower one on Hopper.
+// Whether each wave must fence its own peer stores before a block barrier publishes them (and
+// fence again after the barrier that follows an acquire). Not on NVIDIA: bar.sync orders the
+// block's accesses and a fence by one thread is cumulative over them (the cooperative-groups
+// grid-sync pattern).
+constexpr bool kFenceEveryWave = false;
 MORI_DEVICE void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 MORI_DEVICE void fence_device() { __threadfence(); }
 
