@@ -244,3 +244,19 @@ def test_as_dim3():
 def test_get_runtime_rejects_unknown_vendor():
     with pytest.raises(ValueError, match="unknown vendor"):
         get_runtime("intel")
+
+
+def test_driver_error_names_never_mask_the_error():
+    from mori_jit.jit.runtime.base import error_name
+
+    class Enum(int):
+        name = "cudaErrorFoo"
+
+    def boom(_):
+        raise TypeError("binding rejects the value")
+
+    assert error_name(Enum(3), boom, "CUresult") == "cudaErrorFoo"
+    assert error_name(7, lambda e: (0, b"hipErrorBar"), "hipError_t") == "hipErrorBar"
+    assert error_name(7, lambda e: "hipErrorBaz", "hipError_t") == "hipErrorBaz"
+    assert error_name(7, lambda e: (1, None), "CUresult") == "CUresult 7"
+    assert error_name(7, boom, "CUresult") == "CUresult 7"

@@ -25,7 +25,8 @@ import abc
 import functools
 from typing import Any, Callable, Sequence
 
-__all__ = ["Runtime", "DriverError", "Dim3", "as_dim3", "torch_stream_getter", "torch_current_device"]
+__all__ = ["Runtime", "DriverError", "Dim3", "as_dim3", "torch_stream_getter", "torch_current_device",
+           "error_name", "require_torch_gpu"]
 
 Dim3 = tuple[int, int, int]
 
@@ -51,6 +52,33 @@ def unpack_result(result: Any, success: Any, err_name: Callable[[Any], str], cal
     if len(result) == 1:
         return None
     return result[1] if len(result) == 2 else result[1:]
+
+
+def error_name(err: Any, lookup: Callable[[Any], Any], enum_name: str) -> str:
+    """The driver's name for ``err``: its enum ``.name``, else what the binding's ``GetErrorName``
+    (``lookup``) returns (a result tuple's last item, bytes or str), else ``"<enum_name> <int>"``.
+    Naming never raises: it must not mask the error being reported."""
+    name = getattr(err, "name", None)
+    if name:
+        return name
+    try:
+        r = lookup(err)
+        s = r[-1] if isinstance(r, tuple) else r
+        if isinstance(s, bytes) and s:
+            return s.decode()
+        if isinstance(s, str) and s:
+            return s
+    except Exception:  # pragma: no cover - naming must never mask the real error
+        pass
+    return f"{enum_name} {int(err)}"
+
+
+def require_torch_gpu(what: str) -> None:
+    """Raise unless torch sees a GPU; then make sure torch's context on it exists."""
+    import torch
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{what} needs a GPU visible to torch (torch.cuda.is_available() is False)")
+    torch.cuda.init()  # creates/uses the primary context of the current device
 
 
 def as_dim3(v: int | Sequence[int]) -> Dim3:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from cuda.bindings import driver as _drv
 
-from .base import DriverError, Runtime, as_dim3, unpack_result
+from .base import DriverError, Runtime, as_dim3, error_name, require_torch_gpu, unpack_result
 
 __all__ = ["CudaRuntime"]
 
@@ -29,16 +29,7 @@ _STREAM_CACHE_MAX = 1024
 
 
 def _err_name(err: Any) -> str:
-    name = getattr(err, "name", None)
-    if name:
-        return name
-    try:
-        r, s = _drv.cuGetErrorName(err)
-        if r == _SUCCESS and s:
-            return s.decode()
-    except Exception:  # pragma: no cover - naming must never mask the real error
-        pass
-    return f"CUresult {int(err)}"
+    return error_name(err, _drv.cuGetErrorName, "CUresult")
 
 
 def _check(result: Any, call: str, detail: str = "") -> Any:
@@ -52,10 +43,7 @@ class CudaRuntime(Runtime):
     vendor = "nvidia"
 
     def __init__(self) -> None:
-        import torch
-        if not torch.cuda.is_available():
-            raise RuntimeError("the CUDA runtime needs a GPU visible to torch (torch.cuda.is_available() is False)")
-        torch.cuda.init()  # creates/uses the primary context of the current device
+        require_torch_gpu("the CUDA runtime")
         _check(_drv.cuInit(0), "cuInit")
         self._lock = threading.Lock()
         self._primary: dict[int, Any] = {}

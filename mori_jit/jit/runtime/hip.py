@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from hip import hip as _hip  # hip-python; present only on ROCm installs
 
-from .base import DriverError, Runtime, as_dim3, unpack_result
+from .base import DriverError, Runtime, as_dim3, error_name, require_torch_gpu, unpack_result
 
 __all__ = ["HipRuntime"]
 
@@ -28,19 +28,7 @@ _SUCCESS = _hip.hipError_t.hipSuccess
 
 
 def _err_name(err: Any) -> str:
-    name = getattr(err, "name", None)
-    if name:
-        return name
-    try:
-        r = _hip.hipGetErrorName(err)
-        s = r[-1] if isinstance(r, tuple) else r
-        if isinstance(s, bytes):
-            return s.decode()
-        if isinstance(s, str):
-            return s
-    except Exception:  # pragma: no cover - naming must never mask the real error
-        pass
-    return f"hipError_t {int(err)}"
+    return error_name(err, _hip.hipGetErrorName, "hipError_t")
 
 
 def _check(result: Any, call: str, detail: str = "") -> Any:
@@ -54,10 +42,7 @@ class HipRuntime(Runtime):
     vendor = "amd"
 
     def __init__(self) -> None:
-        import torch
-        if not torch.cuda.is_available():
-            raise RuntimeError("the HIP runtime needs a GPU visible to torch (torch.cuda.is_available() is False)")
-        torch.cuda.init()
+        require_torch_gpu("the HIP runtime")
 
     @contextlib.contextmanager
     def _on_device(self, device: int) -> Iterator[None]:
