@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import shutil
 import subprocess
 import sys
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
