@@ -149,11 +149,11 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
 
 #: Phase stamps written by the kernels (``Stamp`` in kernels/ep/ep_intranode.hpp), as µs since
 #: the kernel's start: (label, stamp index, start index).
-PHASES = [("disp: block 0 tokens done", 1, 0), ("disp: all blocks arrived", 2, 0),
+PHASES = [("disp: block 0 claimed its slots", 5, 0), ("disp: block 0 copies done", 1, 0), ("disp: all blocks arrived", 2, 0),
           ("disp: peers' done flags seen", 3, 0), ("disp: end", 4, 0),
           ("gap: disp end -> comb start", 8, 4),
           ("comb: block 0 staged", 9, 8), ("comb: peers ready", 10, 8), ("comb: block 0 pulled", 11, 8),
-          ("comb: end", 12, 8)]
+          ("comb: last block done", 12, 8)]
 
 
 def _phase_profile(op, g_disp, g_comb, reps: int = 15) -> dict:

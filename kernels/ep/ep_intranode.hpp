@@ -3,16 +3,25 @@
 // Memory model: every rank owns one symmetric arena; a peer's region is peerBase[pe] + off_<region>.
 // Region offsets and the rank are runtime args (never Cfg fields), so one binary serves every rank.
 //
-// Dispatch: one wave per token. Lanes < k each take one expert slot, map it to a destination rank,
-// and drop invalid ids and ranks already seen earlier in the token (dedup). Each distinct destination
-// gets a slot from a system-scope atomic on that rank's counter; the wave then streams the row once
-// from local memory and stores each 16-byte vector to every destination. The last block to finish
-// publishes a done flag (device epoch + 1) on every peer, waits for every peer's flag, then
-// publishes total_recv and advances the epoch on the device (graph replays stay correct).
+// Dispatch: block b owns tokens b, b + blockNum, ... (so a small batch still spans the grid), in
+// two phases split by a block barrier.
+// 1. Claim: one lane per (token, expert slot) maps ids to destination ranks and drops invalid ids
+//    and ranks seen earlier in the token (dedup). One system-scope atomic per (block pass,
+//    destination) claims all the block's rows there; the forward map (tok_off) records
+//    pe*maxRecv + slot.
+// 2. Copy: a work item is one chunk of one owned token's row (waveSize*vecUnroll vectors), spread
+//    over the block's waves, so a token is copied by several waves at once. Each vector is loaded
+//    once and stored to every destination; a token's first chunk also carries its ids, weights and
+//    reverse-map entry. A wave's first chunk is loaded before the claim, overlapping its round trip.
+// The last block to finish publishes a done flag (device epoch + 1) on every peer, waits for every
+// peer's flag, then publishes total_recv and advances the epoch on the device (graph replays stay
+// correct).
 //
 // Combine (gather/pull): copy the expert output into the symmetric staging region (skipped when the
 // expert wrote there), a cross-device barrier, then each rank pulls its tokens' rows from the peers'
-// staging regions and sums them in fp32, one wave per (token, chunk of the row).
+// staging regions and sums them in fp32, one wave per (token, chunk of the row). The block that
+// completes the barrier advances the combine epoch (every block has read it by then), so the pull
+// ends the kernel with no further block counter.
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.
@@ -25,7 +34,7 @@ namespace mori::ep {
 using plat::vec16_t;
 
 // Sync-word layout of the local `sync` region (u64 words).
-enum SyncWord : int { kDispBlocks = 0, kStageBlocks = 1, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5 };
+enum SyncWord : int { kDispBlocks = 0, kStageBlocks = 1, kDispEpoch = 4, kCombEpoch = 5 };
 // Which spin-wait timed out (high bits of the error detail word).
 enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineReady = 2 };
 constexpr uint64_t kErrShortInput = 0x53484f52ull;  // "SHOR": combine input has fewer rows than received
@@ -35,8 +44,10 @@ constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
 constexpr uint64_t kErrTimeout = 0x4d4f5249ull;  // "MORI"
 
 // Phase timestamps (the `stamps` region, globaltimer ns; one thread each, negligible cost).
+// kStCombEnd is the latest block's exit (an atomic max), the others are one thread's store.
 enum Stamp : int {
   kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4,
+  kStDispClaimed = 5,
   kStCombStart = 8, kStCombStaged = 9, kStCombPeersReady = 10, kStCombPulled = 11, kStCombEnd = 12,
 };
 
@@ -88,6 +99,66 @@ MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   return last;
 }
 
+// The tokens a dispatch block owns: t = blockIdx.x + blockNum * i for i in [0, BlockTokens()).
+template <EpCfg kCfg>
+MORI_DEVICE int BlockTokens(int n) {
+  return blockIdx.x < n ? (n - blockIdx.x + kCfg.blockNum - 1) / kCfg.blockNum : 0;
+}
+template <EpCfg kCfg>
+MORI_DEVICE int OwnedToken(int i) { return blockIdx.x + kCfg.blockNum * i; }
+
+// Phase 1 of dispatch: claim a receive slot on every destination of this block's tokens and record
+// pe*maxRecv + slot in the forward map (tok_off). A pass covers kW / kK tokens per wave; the block
+// sums its waves' row counts in shared memory, so each destination's counter takes one
+// system-scope atomic per block pass, all destinations at once (one round trip).
+template <EpCfg kCfg>
+MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity) {
+  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
+  constexpr int kTokPerPass = kW / kK, kRecv = EpMaxRecv(kCfg), kWaves = kCfg.warpPerBlock;
+  __shared__ int blockCount[kWs], blockBase[kWs];
+  const int lane = plat::lane_id(), owned = BlockTokens<kCfg>(args.numTokens);
+  const int sub = lane / kK, j = lane % kK, group = sub * kK;  // my token within the pass, my slot, its first lane
+  const uint64_t below = (uint64_t(1) << lane) - 1;
+  int* tokOff = At<int>(args, args.rank, args.off_tok_off);
+  // block-uniform trip count: every thread reaches every __syncthreads
+  for (int i0 = 0; i0 < owned; i0 += kWaves * kTokPerPass) {
+    const int i = i0 + plat::wave_id() * kTokPerPass + sub, t = OwnedToken<kCfg>(i);
+    const bool active = sub < kTokPerPass && i < owned;
+    int pe = -1;
+    if (active) {
+      const int expert = args.inpIndices[t * kK + j];
+      if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
+    }
+    bool first = pe >= 0;
+#pragma unroll
+    for (int l = 0; l < kK; ++l) {
+      const int other = plat::shfl(pe, (group + l) % kW);
+      if (l < j && other == pe) first = false;
+    }
+    // Per destination: which lanes claim a row there; lane d holds destination d's row count.
+    uint64_t mine = 0;
+    int count = 0;
+#pragma unroll
+    for (int d = 0; d < kWs; ++d) {
+      const uint64_t m = plat::ballot(first && pe == d);
+      if (pe == d) mine = m;
+      if (lane == d) count = plat::popcount(m);
+    }
+    if (threadIdx.x < kWs) blockCount[threadIdx.x] = 0;
+    __syncthreads();
+    int offset = 0;  // this wave's rows before the block's other waves', per destination (lane d)
+    if (lane < kWs && count > 0) offset = plat::atomic_add_shared(&blockCount[lane], count);
+    __syncthreads();
+    if (threadIdx.x < kWs && blockCount[threadIdx.x] > 0)
+      blockBase[threadIdx.x] = plat::atomic_add_system(At<int>(args, threadIdx.x, args.off_recv_num) + parity,
+                                                       blockCount[threadIdx.x]);
+    __syncthreads();
+    const int base = plat::shfl(lane < kWs && count > 0 ? blockBase[lane] + offset : 0, first ? pe : 0);
+    if (active) tokOff[t * kK + j] = first ? pe * kRecv + base + plat::popcount(mine & below) : -1;
+  }
+  __syncthreads();  // the block's forward-map entries are visible to all its waves
+}
+
 template <EpCfg kCfg, typename T>
 MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   static_assert(EpIsValid(kCfg), "invalid EpCfg");
@@ -103,68 +174,44 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   int* tokOff = At<int>(args, rank, args.off_tok_off);
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
 
-  const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
-  const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
-  for (int t = wave; t < n; t += numWaves) {
+  // Work items of this block: one chunk (kW * kUnroll vectors) of one owned token, over its waves.
+  constexpr int kChunkVecs = kW * kUnroll, kChunks = (kVecs + kChunkVecs - 1) / kChunkVecs;
+  const int numItems = BlockTokens<kCfg>(n) * kChunks, wave = plat::wave_id();
+  auto loadChunk = [&](int item, vec16_t (&buf)[kUnroll]) {
+    const int t = OwnedToken<kCfg>(item / kChunks), v0 = (item % kChunks) * kChunkVecs + lane;
     const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
                                                           size_t(t) * EpTokenBytes(kCfg));
-    // The first batch of loads does not depend on the slots: issue it before the atomic round trip.
-    vec16_t buf[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (lane + u * kW < kVecs) buf[u] = plat::load_stream(src + lane + u * kW);
-    int pe = -1;
-    int expert = -1;
-    if (lane < kK) {
-      expert = args.inpIndices[t * kK + lane];
-      if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
-    }
-    bool first = pe >= 0;
-#pragma unroll
-    for (int l = 0; l < kK; ++l) {
-      const int other = plat::shfl(pe, l);
-      if (l < lane && other == pe) first = false;
-    }
-    int slot = -1;
-    if (first) {
-      slot = plat::atomic_add_system(At<int>(args, pe, args.off_recv_num) + parity, 1);
-      At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
-    }
-    if (lane < kK) tokOff[t * kK + lane] = first ? pe * kRecv + slot : -1;
-    uint64_t dests = plat::ballot(first);
+      if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
+  };
+  vec16_t buf[kUnroll];
+  if (wave < numItems) loadChunk(wave, buf);  // independent of the slots: overlaps the claim
 
-    // Weights and ids: lanes < k, once per destination.
-    for (uint64_t m = dests; m; m &= m - 1) {
-      const int b = plat::lowest_bit(m);
-      const int dpe = plat::shfl(pe, b), dslot = plat::shfl(slot, b);
-      if (lane < kK) {
-        if (kCfg.useWeights && args.inpWeights != nullptr) At<float>(args, dpe, args.off_out_wts)[dslot * kK + lane] = args.inpWeights[t * kK + lane];
-        At<int>(args, dpe, args.off_out_idx)[dslot * kK + lane] = args.inpIndices[t * kK + lane];
-      }
+  ClaimSlots<kCfg>(args, parity);
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
+
+  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
+    if (item != wave) loadChunk(item, buf);
+    const int t = OwnedToken<kCfg>(item / kChunks), chunk = item % kChunks, v0 = chunk * kChunkVecs + lane;
+    const int flat = lane < kK ? tokOff[t * kK + lane] : -1;
+    int expert = 0;
+    float weight = 0.f;
+    if (chunk == 0 && lane < kK) {  // the token's metadata travels with its first chunk
+      expert = args.inpIndices[t * kK + lane];
+      if (withWeights) weight = args.inpWeights[t * kK + lane];
     }
-    // Payload: each vector is loaded once and stored to every destination.
-    int dstPe[kWs], dstSlot[kWs], numDst = 0;
+    for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
+      const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
+      vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
 #pragma unroll
-    for (int i = 0; i < kWs; ++i) dstPe[i] = dstSlot[i] = 0;
-    for (uint64_t m = dests; m; m &= m - 1) {
-      const int b = plat::lowest_bit(m);
-      dstPe[numDst] = plat::shfl(pe, b);
-      dstSlot[numDst] = plat::shfl(slot, b);
-      ++numDst;
-    }
-    for (int v0 = lane; v0 < kVecs; v0 += kW * kUnroll) {
-      if (v0 != lane) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
-      }
-#pragma unroll
-      for (int d = 0; d < kWs; ++d) {
-        if (d >= numDst) break;
-        vec16_t* dst = At<vec16_t>(args, dstPe[d], args.off_disp_out) + size_t(dstSlot[d]) * kVecs;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+      if (chunk == 0 && lane < kK) {
+        At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = expert;
+        if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = weight;
+        if (lane == 0) At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
       }
     }
   }
@@ -240,8 +287,10 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // 2. Cross-device barrier: the last block to finish staging tells every peer; all blocks wait.
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombStaged);
   const uint64_t target = epoch + 1;
-  if (LastBlockArrives(args, kStageBlocks) && threadIdx.x < kWs)
-    plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
+  if (LastBlockArrives(args, kStageBlocks)) {
+    if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
+    if (threadIdx.x == 0) sync[kCombEpoch] = target;  // every block read the epoch before arriving
+  }
   if (threadIdx.x < kWs)
     WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target, kWaitCombineReady, threadIdx.x);
   __syncthreads();  // the acquire loads above, then the barrier, order every thread's peer loads
@@ -283,7 +332,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
         vec16_t buf[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kW < kVecs) buf[u] = plat::load_uncached(rows[s] + v0 + u * kW);
+          if (v0 + u * kW < kVecs) buf[u] = plat::load_peer(rows[s] + v0 + u * kW);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const T* el = reinterpret_cast<const T*>(&buf[u]);
@@ -306,17 +355,15 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
       for (uint64_t m = srcs; m; m &= m - 1) {
         const int f = plat::shfl(flat, plat::lowest_bit(m));
         if (lane < kK)
-          w += plat::load_uncached_f32(At<float>(args, f / kRecv, args.off_comb_stage_wts) + size_t(f % kRecv) * kK + lane);
+          w += plat::load_peer_f32(At<float>(args, f / kRecv, args.off_comb_stage_wts) + size_t(f % kRecv) * kK + lane);
       }
       if (lane < kK) args.outWeights[t * kK + lane] = w;
     }
   }
 
-  // 4. Advance the combine epoch on the device once every block is done with it.
-  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombPulled);
-  if (LastBlockArrives(args, kCombBlocks) && threadIdx.x == 0) {
-    sync[kCombEpoch] = target;
-    StampAt(args, kStCombEnd);
+  if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) StampAt(args, kStCombPulled);
+    plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombEnd, plat::now_ns());
   }
 }
 

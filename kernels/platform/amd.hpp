@@ -28,6 +28,8 @@ MORI_DEVICE void wave_sync() {}
 // Index of the lowest set bit of a non-zero mask.
 MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<unsigned long long>(m)) - 1; }
 
+MORI_DEVICE int popcount(uint64_t m) { return __popcll(m); }
+
 // Whether each wave must fence its own peer stores before a block barrier publishes them (and
 // fence again after the barrier that follows an acquire). On AMD a fence waits only on the
 // executing wave's outstanding memory operations, so every wave fences (as mscclpp's grid sync does).
@@ -40,6 +42,12 @@ MORI_DEVICE int atomic_add_system(int* p, int v) {
 }
 MORI_DEVICE unsigned atomic_add_device(unsigned* p, unsigned v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+MORI_DEVICE int atomic_add_shared(int* p, int v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
+}
+MORI_DEVICE void atomic_max_device(uint64_t* p, uint64_t v) {
+  __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
 
 MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
@@ -55,8 +63,9 @@ MORI_DEVICE uint64_t now_ns() { return wall_clock64() * 10ull; }
 
 MORI_DEVICE vec16_t load_stream(const vec16_t* p) { return __builtin_nontemporal_load(p); }
 MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __builtin_nontemporal_store(v, p); }
-// Loads of data a peer wrote after this kernel started: nontemporal (glc/slc) so no stale line is hit.
-MORI_DEVICE vec16_t load_uncached(const vec16_t* p) { return __builtin_nontemporal_load(p); }
-MORI_DEVICE float load_uncached_f32(const float* p) { return __builtin_nontemporal_load(p); }
+// Loads of data a peer wrote during this kernel (after an acquire that observed the peer's
+// release): nontemporal (glc/slc) so no stale line is hit.
+MORI_DEVICE vec16_t load_peer(const vec16_t* p) { return __builtin_nontemporal_load(p); }
+MORI_DEVICE float load_peer_f32(const float* p) { return __builtin_nontemporal_load(p); }
 
 }  // namespace mori::plat

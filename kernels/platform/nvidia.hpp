@@ -21,6 +21,8 @@ MORI_DEVICE void wave_sync() { __syncwarp(); }
 // Index of the lowest set bit of a non-zero mask.
 MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<long long>(m)) - 1; }
 
+MORI_DEVICE int popcount(uint64_t m) { return __popcll(m); }
+
 // acq_rel, not __threadfence_system()'s fence.sc: every use here is a release/acquire pairing,
 // and the SC fence is the slower one on Hopper.
 // Whether each wave must fence its own peer stores before a block barrier publishes them (and
@@ -33,6 +35,10 @@ MORI_DEVICE void fence_device() { __threadfence(); }
 
 MORI_DEVICE int atomic_add_system(int* p, int v) { return atomicAdd_system(p, v); }
 MORI_DEVICE unsigned atomic_add_device(unsigned* p, unsigned v) { return atomicAdd(p, v); }
+MORI_DEVICE int atomic_add_shared(int* p, int v) { return atomicAdd_block(p, v); }
+MORI_DEVICE void atomic_max_device(uint64_t* p, uint64_t v) {
+  atomicMax(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+}
 
 MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
   uint64_t v;
@@ -54,8 +60,20 @@ MORI_DEVICE uint64_t now_ns() {
 // Non-temporal 16-byte global accesses for streaming payloads.
 MORI_DEVICE vec16_t load_stream(const vec16_t* p) { return __ldcs(p); }
 MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __stcs(p, v); }
-// Loads of data a peer wrote after this kernel started: volatile (ld.cv), never served from a cache.
-MORI_DEVICE vec16_t load_uncached(const vec16_t* p) { return __ldcv(p); }
-MORI_DEVICE float load_uncached_f32(const float* p) { return __ldcv(p); }
+// Loads of data a peer wrote during this kernel, after an acquire that observed the peer's release:
+// the non-coherent path with no L1 allocation (DeepEP's ld_nc_global), so no stale line can be hit
+// (nothing before the acquire read these addresses) and the load is not forced to system-scope
+// strength the way ld.volatile is.
+MORI_DEVICE vec16_t load_peer(const vec16_t* p) {
+  vec16_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+MORI_DEVICE float load_peer_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
 
 }  // namespace mori::plat

@@ -47,9 +47,9 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 # Both sweeps predate the chunked combine pull (device run 7), which shortens small-batch combines;
 # the combine optimum at 128 tokens may have moved and has not been re-swept.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
-    "bf16": {(2, 7168, 8, 128): [(128, 32, 4), (512, 64, 8), (None, 132, 8)],
-             (1, 7168, 8, 256): [(128, 32, 4), (None, 132, 16)]},
-    "fp8": {(2, 7168, 8, 128): [(128, 32, 8), (None, 132, 8)]},
+    "bf16": {(2, 7168, 8, 128): [(128, 132, 8), (512, 132, 8), (None, 132, 8)],
+             (1, 7168, 8, 256): [(128, 132, 8), (None, 132, 16)]},
+    "fp8": {(2, 7168, 8, 128): [(128, 132, 8), (None, 132, 8)]},
 }
 # (world_size, hidden, topk, experts_per_rank | None) -> buckets
 COMBINE_TABLE: dict[tuple, list[Bucket]] = {
