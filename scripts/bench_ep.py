@@ -266,14 +266,20 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 res["graph_floor_us"] = f_us
                 # host overhead of the Python calls (GPU work queued asynchronously)
                 dist.barrier()
-                hd, hc = [], []
-                for _ in range(200):
+                hd, hc, ho = [], [], []
+                y_out = torch.empty(n, args.hidden, dtype=comb_t, device=dev)
+                y_w_out = torch.empty(n, args.k, dtype=torch.float32, device=dev)
+                for i in range(400):  # alternate: combine allocating its outputs / into the caller's (out=)
                     t0 = time.perf_counter()
                     r = op.dispatch(sx, sw, None, sidx, return_routing=True)
                     t1 = time.perf_counter()
-                    op.combine(r[0] if r[0].dtype == comb_t else staging_src, weights=r[1], routing=r[5])
+                    if i % 2:
+                        op.combine(r[0] if r[0].dtype == comb_t else staging_src, weights=r[1], routing=r[5],
+                                   out=y_out, out_weights=y_w_out)
+                    else:
+                        op.combine(r[0] if r[0].dtype == comb_t else staging_src, weights=r[1], routing=r[5])
                     t2 = time.perf_counter()
-                    hd.append((t1 - t0) * 1e6), hc.append((t2 - t1) * 1e6)
+                    hd.append((t1 - t0) * 1e6), (ho if i % 2 else hc).append((t2 - t1) * 1e6)
                 torch.cuda.synchronize()
                 ha = []  # one output allocation, as combine makes two (y and y_w)
                 for _ in range(200):
@@ -281,6 +287,7 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                     torch.empty((n, args.hidden), dtype=comb_t, device=dev)
                     ha.append((time.perf_counter() - t0) * 1e6)
                 res["host_overhead_us"] = {"dispatch": statistics.median(hd), "combine": statistics.median(hc),
+                                           "combine_out": statistics.median(ho),
                                            "torch_empty": statistics.median(ha)}
                 op.check()
             dist.barrier()
@@ -361,6 +368,7 @@ def report(path: str) -> str:
         if "host_overhead_us" in r:
             h = r["host_overhead_us"]
             lines.append(f"| {r['leg']} | {r['tokens']} | host overhead | {h['dispatch']:.1f} | {h['combine']:.1f} |"
+                         + (f" (out=: {h['combine_out']:.1f})" if "combine_out" in h else "")
                          + (f" (one torch.empty: {h['torch_empty']:.1f})" if "torch_empty" in h else "")
                          + " | | | | | | |")
     md = "\n".join(lines)

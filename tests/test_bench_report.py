@@ -22,7 +22,8 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
              "hip_graph": {"dispatch_us": 20.0, "combine_us": 25.0},
              "torch_eager": {"dispatch_us": 200.0, "combine_us": 100.0},
              "nccl_a2a": {"dispatch_us": 30.0, "combine_us": 50.0},
-             "graph_floor_us": 4.5, "host_overhead_us": {"dispatch": 9.0, "combine": 14.0, "torch_empty": 3.0}}
+             "graph_floor_us": 4.5, "host_overhead_us": {"dispatch": 9.0, "combine": 14.0, "combine_out": 8.5,
+                                                           "torch_empty": 3.0}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"link_ceiling_gbps": 400.0, "sm_link_rates": {"sm_pull_both_gbps": 370.0},
                                 "results": [point]}))
@@ -34,4 +35,5 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
     assert cells[5] == f"{algo:.0f}" and cells[6] == f"{link:.0f}"
     assert cells[8:12] == ["10.00", "4.00", "1.50", "2.00"]  # torch / hip and a2a / hip
     assert "pull_both 370" in md and "floor: 1-kernel graph | 4.5" in md
+    assert "host overhead | 9.0 | 14.0 | (out=: 8.5)" in md
     assert (tmp_path / "r.md").read_text().strip() == md.strip()

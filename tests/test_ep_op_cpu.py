@@ -12,7 +12,7 @@ from mori_jit.jit.fields import ConfigError
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
 from mori_jit.ops.ep import hip_tuning
 from mori_jit.ops.ep.cfg import COMBINE, DISPATCH, EpDType, make_ep_cfg
-from mori_jit.ops.ep.variants import ep_variants
+from mori_jit.ops.ep.variants import DEFAULT_NUM_CUS, ep_variants
 
 FP8 = torch.float8_e4m3fn
 
@@ -36,6 +36,17 @@ def _op_job(rank, ws):
                 y, y_w = op.combine(out, weights=out_w, routing=routing)
                 golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, x, w, idx, out, out_w, out_idx,
                              total, routing.recv_src, y, y_w)
+                # caller-provided outputs: written in place (poisoned first) and returned as is
+                y2, y_w2 = torch.full_like(y, float("nan")), torch.full_like(y_w, float("nan"))
+                r = op.combine(out, weights=out_w, routing=routing, out=y2, out_weights=y_w2)
+                assert r[0] is y2 and r[1] is y_w2
+                assert torch.equal(y2, y) and torch.equal(y_w2, y_w)
+                with pytest.raises(ValueError, match=r"out: expected shape \[%d, %d\]" % (n, hidden)):
+                    op.combine(out, weights=out_w, routing=routing, out=torch.empty(n + 1, hidden, dtype=y.dtype))
+                with pytest.raises(TypeError, match="out_weights: expected dtype torch.float32"):
+                    op.combine(out, weights=out_w, routing=routing, out_weights=y_w.double())
+                with pytest.raises(ValueError, match="out_weights: given without weights"):
+                    op.combine(out, routing=routing, out_weights=y_w2)
     # asymmetric legs: fp8 moved as bytes, bf16 combined
     cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=hidden, max_num_inp_token_per_rank=m,
                                   num_experts_per_rank=4, num_experts_per_token=4, dispatch_data_type=FP8,
@@ -161,6 +172,10 @@ def test_tuning_lookup_merges_misaligned_edges_and_clamps(monkeypatch):
     monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "bf16", {key: [(None, 8, 8)], (2, 7168, 8, 64): [(None, 4, 4)]})
     assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 64, 132).dispatch) == {(4, 4)}
     assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 128, 132).dispatch) == {(8, 8)}
+    # warps are counted on the swept arch: a 64-wide wave caps them at 1024 threads per block
+    monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "bf16", {key: [(None, 132, 32)]})
+    assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 128, 304, max_warps=16).dispatch) == {(132, 16)}
+    assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 128, 132).dispatch) == {(132, 32)}
 
 
 def test_variants_follow_schedule_and_pins():
@@ -204,7 +219,14 @@ def test_shipped_tuning_tables_are_well_formed(arch):
         edges = [b[0] for b in buckets]
         assert edges[-1] is None and None not in edges[:-1], f"{kind} {ws, hidden, k, epr}: last bucket must be open"
         assert edges[:-1] == sorted(set(edges[:-1])), f"{kind} {ws, hidden, k, epr}: edges must increase"
-        for _, blocks, warps in buckets:  # every geometry builds a valid EpCfg for the key's shape
-            make_ep_cfg(kind, arch, {"worldSize": ws, "hiddenDim": hidden, "numExpertPerToken": k,
-                                     "numExpertPerRank": epr or 8, "maxTokPerRank": 4096,
-                                     "dtype": EpDType.coerce(dtype), "blockNum": blocks, "warpPerBlock": warps})
+        # the op's own path (lookup, clamps, EpCfg validation) builds every variant on this arch,
+        # and on the arch the tables were swept on it launches exactly the table's geometries
+        torch_dtype = FP8 if dtype == "fp8" else torch.bfloat16
+        cfg = EpDispatchCombineConfig(rank=0, world_size=ws, hidden_dim=hidden, max_num_inp_token_per_rank=4096,
+                                      num_experts_per_rank=epr or 8, num_experts_per_token=k,
+                                      data_type=torch.bfloat16, dispatch_data_type=torch_dtype,
+                                      combine_data_type=torch.bfloat16)
+        v = ep_variants(cfg, arch, DEFAULT_NUM_CUS[arch])
+        launched = {(c.blockNum, c.warpPerBlock) for c in (v.dispatch if kind == DISPATCH else v.combine)}
+        if arch == "sm_90a":
+            assert launched == {(b, w) for _, b, w in buckets}, f"{kind} {dtype} {ws, hidden, k, epr}"

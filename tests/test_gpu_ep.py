@@ -132,12 +132,16 @@ def _graph_job(rank, ws):
             cfg = op.cfg
             sx, sw, sidx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
             stage = op.get_combine_input_buffer()
+            y_out = torch.empty(m, hidden, dtype=cfg.combine_dtype, device=dev)
+            y_w_out = torch.empty(m, k, dtype=torch.float32, device=dev)
 
             def step():
                 out, out_w, _, out_idx, total, routing = op.dispatch(sx, sw, None, sidx, return_routing=True)
                 if zero_copy:
                     stage.copy_(out)  # the expert writes straight into the staging view
-                    y, y_w = op.combine(stage, weights=out_w, routing=routing)
+                    # ... and the caller's output tensors receive the result
+                    y, y_w = op.combine(stage, weights=out_w, routing=routing, out=y_out, out_weights=y_w_out)
+                    assert y is y_out and y_w is y_w_out
                 else:
                     y, y_w = op.combine(out, weights=out_w, routing=routing)
                 return out, out_w, out_idx, total, routing, y, y_w

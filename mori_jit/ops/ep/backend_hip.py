@@ -120,13 +120,15 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             return (out, out_w if weights is not None else None, None, out_idx, total_recv,
                     HipRouting(op_id, x.shape[0], recv_src, total_recv))
 
-        def combine(v, inp, weights, routing):
+        def combine(v, inp, weights, routing, y, y_w):
             n = routing.num_tokens
             # torch.empty from the default allocator, never inp.new_empty: inp may be an arena view
             # (symmetric memory); with new_empty the post-reset GPU timeout test failed golden
             # twice, as if y overlapped the arena (docs/PERF.md, session 2). Cause not pinned down.
-            y = torch.empty((n, hidden), dtype=cfg.combine_dtype, device=dev)
-            y_w = torch.empty((n, k), dtype=torch.float32, device=dev) if weights is not None else None
+            if y is None:
+                y = torch.empty((n, hidden), dtype=cfg.combine_dtype, device=dev)
+            if y_w is None and weights is not None:
+                y_w = torch.empty((n, k), dtype=torch.float32, device=dev)
             cargs.inpTok = inp.data_ptr()
             cargs.inpWeights = weights.data_ptr() if weights is not None else 0
             cargs.outTok = y.data_ptr()

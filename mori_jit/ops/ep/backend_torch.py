@@ -40,8 +40,13 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
                 x, w, scales, indices, cfg.recv_capacity)
             return out, (out_w if weights is not None else None), out_s, out_idx, total, routing
 
-        def combine(_v, inp, weights, routing):
-            return reference_combine(group, routing, inp, weights, cfg.combine_dtype)
+        def combine(_v, inp, weights, routing, out, out_w):
+            y, y_w = reference_combine(group, routing, inp, weights, cfg.combine_dtype)
+            if out is not None:
+                y = out.copy_(y)
+            if out_w is not None:
+                y_w = out_w.copy_(y_w)
+            return y, y_w
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
                          stages_in_kernel=False, self_resets_counters=True,

@@ -18,12 +18,14 @@ from mori_jit.jit.toolchain import wave_size_for_arch
 
 from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
-__all__ = ["EpDType", "EpCfg", "EP_ARGS", "EP_REGIONS", "EP_MAX_PEERS", "make_ep_cfg", "region_bytes",
+__all__ = ["EpDType", "EpCfg", "EP_ARGS", "EP_REGIONS", "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
            "EpSummable", "DISPATCH", "COMBINE"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
 EP_MAX_PEERS = 8
+#: Most threads in one block, on every supported arch.
+EP_MAX_BLOCK_THREADS = 1024
 DISPATCH, COMBINE = "dispatch", "combine"
 
 
@@ -92,7 +94,7 @@ _RULES: list[tuple[Any, str]] = [
     (C.waveSize.eq(32) | C.waveSize.eq(64), "waveSize must be 32 or 64"),
     (C.blockNum >= 1, "blockNum must be >= 1"),
     (C.warpPerBlock >= 1, "warpPerBlock must be >= 1"),
-    (EpBlockThreads <= 1024, "warpPerBlock*waveSize must be <= 1024"),
+    (EpBlockThreads <= EP_MAX_BLOCK_THREADS, f"warpPerBlock*waveSize must be <= {EP_MAX_BLOCK_THREADS}"),
     ((C.vecUnroll >= 1) & (C.vecUnroll <= 8), "vecUnroll must be in 1..8"),
 ]
 

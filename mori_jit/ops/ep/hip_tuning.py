@@ -27,34 +27,35 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
 #
-# sm_90a, EP2, hidden 7168, topk 8, 128 experts per rank: docs/PERF.md "Sweep (session 2)", raw data
-# docs/bench/session2/sweep_*.json (device run 5, graph mode, the GPU queued ahead of the host).
-# Noise between two runs of one point is about ±1 µs at 128/512 tokens and ±2 µs at 4096.
-#   dispatch bf16  128: 64x4 15.6 | 32x8 15.9 | 64x8 15.9 | 132x4 16.0 | 32x4 16.3 | 16x8 16.8 | x16 ~20
-#                  512: 132x4 31.6 | 132x8 31.6 | 64x8 31.9 | 64x16 32.8 | 64x4 33.5 | 16x16 34.6
-#                 4096: 132x16 182.3 | 132x8 182.6 | 132x4 185.1 | 64x16 187.4 | 64x8 192.0
-#   dispatch fp8   128: 64x8 13.8 | 132x8 14.1 | 32x8 14.8 | 32x16 16.6;  4096: 132x16 104.0 | 132x8 104.7
-#   combine (staging copy / zero-copy)
-#                  128: 132x8 26.7/25.1 | 132x4 26.9/23.9 | 64x8 28.5/25.5 | 64x4 30.0/23.9
-#                  512: 132x16 42.1/37.1 | 132x8 42.9/36.9 | 64x16 43.3/37.0 | 64x8 49.0/36.4
-#                 4096: 132x16 266.5/190.6 | 132x8 312.2/192.0 | 64x16 315.0/192.1
-# sm_90a, EP1 (one GPU, 256 experts), bf16, device run 6, docs/bench/session2/sweep_ep1_bf16.json:
-#   dispatch  128: 64x4 11.3 | 132x4 11.3 | 32x4 11.6 | 32x8 11.6 | x16 ~14;  4096: 132x16 39.9 | 132x8 44.3
-#   combine   128: 132x4 16.4/15.3 | 132x8 17.7/17.1 | 64x4 18.0/15.1 | 32x4 20.7/14.9
-#            4096: 132x16 82.2/44.1 | 132x8 114.1/52.8 | 64x16 123.1/60.4
+# sm_90a, EP2, hidden 7168, topk 8, 128 experts per rank: docs/PERF.md "Sweeps (session 3)", raw
+# data docs/bench/session3/run{2,3,4}/sweep*.json (graph mode, GPU queued ahead of the host, every
+# point golden-gated). Noise between two runs of one point is about ±1 µs at 128/512 tokens and
+# ±2 µs at 4096. Dispatch (block-owned tokens; bf16 from run 4, fp8 from run 3):
+#   bf16  128: 64x8 16.4 | 132x4 16.9 | 64x4 17.2 | 132x8 17.2 | 132x16 17.3 | 64x16 17.6
+#         512: 132x8 32.1 | 64x16 32.1 | 132x4 32.2 | 64x8 32.3 | 132x16 32.6 | 64x4 33.4
+#        4096: 132x8 176.3 | 132x16 177.0 | 132x4 178.8 | 64x16 181.0 | 64x8 185.7
+#   fp8   128: 132x16 13.5 | 64x8 13.8 | 132x4 13.8 | 64x4 13.9 | 132x8 13.9 | 64x16 14.0
+#        4096: 132x16 96.2 | 132x8 97.4 | 64x16 98.8 | 132x4 100.3 | 64x8 103.8
+# Combine (staging copy / zero-copy; bf16 128/512 from run 2, 4096 from run 3):
+#         128: 132x8 19.3/18.0 | 132x16 19.6/18.2 | 64x16 19.8/18.0 | 64x8 20.8/17.9 | 132x4 20.8/18.2
+#         512: 132x16 39.7/34.6 | 132x8 41.2/35.2 | 64x16 41.6/34.8 | 64x8 46.6/34.8
+#        4096: 132x16 266.8/188.0 | 132x8 314.9/190.8 | 64x16 317.4/190.1
+#              run 6: 132x32 251.2/190.3 | 132x16 264.1/189.0 (the copy gains from 1024 threads)
+# sm_90a, EP1 (one GPU, 256 experts), bf16, session 3 run 5, docs/bench/session3/run5/sweep_ep1.json:
+#   dispatch  128: 132x8 9.9 | 132x16 10.1 | 64x16 10.4 | 64x8 10.6;  4096: 132x16 41.0 | 132x8 46.3
+#   combine   128: 132x8 11.4/10.8 | 64x16 11.7/11.0 | 132x16 11.8/11.3 | 64x8 13.1/11.6
+#            4096: 132x16 78.0/45.0 | 132x8 112.1/59.3 | 64x16 122.1/67.8
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
-# Both sweeps predate the chunked combine pull (device run 7), which shortens small-batch combines;
-# the combine optimum at 128 tokens may have moved and has not been re-swept.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
-    "bf16": {(2, 7168, 8, 128): [(128, 132, 8), (512, 132, 8), (None, 132, 8)],
-             (1, 7168, 8, 256): [(128, 132, 8), (None, 132, 16)]},
-    "fp8": {(2, 7168, 8, 128): [(128, 132, 8), (None, 132, 8)]},
+    "bf16": {(2, 7168, 8, 128): [(512, 64, 8), (None, 132, 8)],
+             (1, 7168, 8, 256): [(128, 64, 8), (None, 132, 16)]},
+    "fp8": {(2, 7168, 8, 128): [(128, 64, 4), (None, 132, 8)]},
 }
 # (world_size, hidden, topk, experts_per_rank | None) -> buckets
 COMBINE_TABLE: dict[tuple, list[Bucket]] = {
-    (2, 7168, 8, 128): [(128, 132, 4), (512, 132, 8), (None, 132, 16)],
-    (1, 7168, 8, 256): [(128, 132, 4), (None, 132, 16)],
+    (2, 7168, 8, 128): [(128, 64, 16), (512, 132, 16), (None, 132, 32)],
+    (1, 7168, 8, 256): [(128, 64, 16), (None, 132, 16)],
 }
 
 
@@ -88,22 +89,27 @@ def _at(buckets: list[Bucket], edge: Optional[int]) -> tuple[int, int]:
     return buckets[-1][1], buckets[-1][2]
 
 
-def _clamp(geo: tuple[int, int], num_cus: int) -> tuple[int, int]:
-    return min(geo[0], num_cus), geo[1]
+def _clamp(geo: tuple[int, int], num_cus: int, max_warps: Optional[int]) -> tuple[int, int]:
+    return min(geo[0], num_cus), (min(geo[1], max_warps) if max_warps else geo[1])
 
 
-def schedule_from_buckets(disp: list[Bucket], comb: list[Bucket], num_cus: int) -> Schedule:
-    """Merge two bucket lists with possibly different edges into one schedule (clamped)."""
+def schedule_from_buckets(disp: list[Bucket], comb: list[Bucket], num_cus: int,
+                          max_warps: Optional[int] = None) -> Schedule:
+    """Merge two bucket lists with possibly different edges into one schedule, with blocks clamped
+    to ``num_cus`` and warps per block to ``max_warps`` (None: not clamped)."""
     finite = sorted({b[0] for b in disp + comb if b[0] is not None})
     edges: list[Optional[int]] = [*finite, None]
-    d = tuple(_clamp(_at(disp, e), num_cus) for e in edges)
-    c = tuple(_clamp(_at(comb, e), num_cus) for e in edges)
+    d = tuple(_clamp(_at(disp, e), num_cus, max_warps) for e in edges)
+    c = tuple(_clamp(_at(comb, e), num_cus, max_warps) for e in edges)
     return Schedule(tuple(edges), d, c)
 
 
-def lookup(dtype: str, world_size: int, hidden: int, topk: int, experts_per_rank: int, num_cus: int) -> Schedule:
-    """The schedule for one shape: table entries where swept, the defaults otherwise."""
+def lookup(dtype: str, world_size: int, hidden: int, topk: int, experts_per_rank: int, num_cus: int,
+           max_warps: Optional[int] = None) -> Schedule:
+    """The schedule for one shape: table entries where swept, the defaults otherwise. The tables
+    count warps of the arch they were swept on; ``max_warps`` (1024 threads / wave size) keeps an
+    entry valid on an arch with wider waves."""
     key = (world_size, hidden, topk, experts_per_rank)
     disp = _find(DISPATCH_TABLE.get(dtype, {}), key) or [(None, *DEFAULT_DISPATCH)]
     comb = _find(COMBINE_TABLE, key) or [(None, *DEFAULT_COMBINE)]
-    return schedule_from_buckets(disp, comb, num_cus)
+    return schedule_from_buckets(disp, comb, num_cus, max_warps)

@@ -41,7 +41,8 @@ class KernelSet:
     """What a backend built. Callables take a bucket index first (see :meth:`EpDispatchCombineOp._pick`).
 
     ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``;
-    ``combine(v, inp, weights, routing)`` → ``(y, y_w)``.
+    ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
+    output tensors or None).
     """
 
     dispatch: Callable[..., tuple]
@@ -218,13 +219,17 @@ class EpDispatchCombineOp(abc.ABC):
         return res if return_routing else res[:5]
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
-                indices: Optional[torch.Tensor] = None, *, routing):
+                indices: Optional[torch.Tensor] = None, *, routing, out: Optional[torch.Tensor] = None,
+                out_weights: Optional[torch.Tensor] = None):
         """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
 
         ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
-        Returns ``(out [n, hidden], out_weights [n, k] | None)``. Collective: every rank calls it,
-        and either every rank passes ``weights`` or none does (a rank stages its weights for the
-        peers even when it has no tokens of its own).
+        Returns ``(out [n, hidden], out_weights [n, k] | None)``, freshly allocated unless the
+        caller passes them: ``out`` (combine dtype) and ``out_weights`` (float32, only with
+        ``weights``) are written in place and returned, which saves the allocations (host time)
+        and gives graph captures static outputs. Collective: every rank calls it, and either every
+        rank passes ``weights`` or none does (a rank stages its weights for the peers even when it
+        has no tokens of its own).
         """
         k = self._live()
         cfg = self.cfg
@@ -238,4 +243,11 @@ class EpDispatchCombineOp(abc.ABC):
         _expect("input", input, cfg.combine_dtype, (rows, cfg.hidden_dim), self.device)
         if weights is not None:
             _expect("weights", weights, torch.float32, (rows, cfg.num_experts_per_token), self.device)
-        return k.combine(self._pick(routing.num_tokens), input, weights, routing)
+        n = routing.num_tokens
+        if out is not None:
+            _expect("out", out, cfg.combine_dtype, (n, cfg.hidden_dim), self.device)
+        if out_weights is not None:
+            if weights is None:
+                raise ValueError("out_weights: given without weights (there are no weights to combine)")
+            _expect("out_weights", out_weights, torch.float32, (n, cfg.num_experts_per_token), self.device)
+        return k.combine(self._pick(n), input, weights, routing, out, out_weights)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
+from mori_jit.jit.toolchain import wave_size_for_arch
+
+from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, make_ep_cfg
 from .config import EpDispatchCombineConfig
 from .hip_tuning import Schedule, lookup, schedule_from_buckets
 
@@ -38,13 +40,14 @@ class EpVariants:
         return list(out)
 
 
-def _schedule(cfg: EpDispatchCombineConfig, num_cus: int) -> Schedule:
+def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str) -> Schedule:
     if cfg.schedule is not None:
         disp = [(b[0], b[1], b[2]) for b in cfg.schedule]
         comb = [(b[0], b[3], b[4]) for b in cfg.schedule]
         return schedule_from_buckets(disp, comb, num_cus)
     base = lookup(ep_dtype(cfg.dispatch_dtype).name.lower(), cfg.world_size, cfg.hidden_dim,
-                  cfg.num_experts_per_token, cfg.num_experts_per_rank, num_cus)
+                  cfg.num_experts_per_token, cfg.num_experts_per_rank, num_cus,
+                  max_warps=EP_MAX_BLOCK_THREADS // wave_size_for_arch(arch))
     pin = lambda geo, blocks, warps: (min(blocks, num_cus) if blocks else geo[0], warps or geo[1])  # noqa: E731
     return Schedule(base.edges,
                     tuple(pin(g, cfg.dispatch_block_num, cfg.warp_num_per_block) for g in base.dispatch),
@@ -53,7 +56,7 @@ def _schedule(cfg: EpDispatchCombineConfig, num_cus: int) -> Schedule:
 
 def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVariants:
     """Every EpCfg the op for ``cfg`` on ``arch`` (with ``num_cus`` CUs/SMs) launches, by bucket."""
-    sched = _schedule(cfg, num_cus)
+    sched = _schedule(cfg, num_cus, arch)
     common = {"worldSize": cfg.world_size, "hiddenDim": cfg.hidden_dim, "maxTokPerRank": cfg.max_num_inp_token_per_rank,
               "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
               "maxRecv": cfg.max_total_recv_tokens}
