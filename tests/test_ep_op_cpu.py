@@ -47,6 +47,9 @@ def _op_job(rank, ws):
                     op.combine(out, weights=out_w, routing=routing, out_weights=y_w.double())
                 with pytest.raises(ValueError, match="out_weights: given without weights"):
                     op.combine(out, routing=routing, out_weights=y_w2)
+                if n:  # an output that aliases the combine input is refused
+                    with pytest.raises(ValueError, match="out: overlaps input"):
+                        op.combine(out, weights=out_w, routing=routing, out=out[:n])
     # asymmetric legs: fp8 moved as bytes, bf16 combined
     cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=hidden, max_num_inp_token_per_rank=m,
                                   num_experts_per_rank=4, num_experts_per_token=4, dispatch_data_type=FP8,

@@ -146,6 +146,11 @@ def _graph_job(rank, ws):
                     y, y_w = op.combine(out, weights=out_w, routing=routing)
                 return out, out_w, out_idx, total, routing, y, y_w
 
+            if zero_copy:  # an output inside the symmetric arena is refused before anything launches
+                out, out_w, _, _, _, routing = op.dispatch(sx, sw, None, sidx, return_routing=True)
+                with pytest.raises(ValueError, match="out: overlaps the op's symmetric buffers"):
+                    op.combine(out, weights=out_w, routing=routing, out=stage[:m])
+                op.combine(out, weights=out_w, routing=routing)  # the collective round completes
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):

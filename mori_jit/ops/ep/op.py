@@ -93,6 +93,14 @@ def _expect(name: str, t: Any, dtype, shape: tuple, device) -> None:
         raise ValueError(f"{name}: expected a contiguous tensor")
 
 
+def _span(t: Optional[torch.Tensor]) -> tuple[int, int]:
+    """The byte range [start, end) of a contiguous tensor (empty for None)."""
+    if t is None:
+        return 0, 0
+    start = t.data_ptr()
+    return start, start + t.nbytes
+
+
 class EpDispatchCombineOp(abc.ABC):
     """Expert-parallel dispatch/combine over ``group`` (None = WORLD). Collective to construct.
 
@@ -135,6 +143,7 @@ class EpDispatchCombineOp(abc.ABC):
         self.device = self._device(cfg)
         regions = self._regions(cfg)
         self.arena = SymmArena.create(regions, self.group, self.device) if regions else None
+        self._arena_span = _span(self.arena.tensor if self.arena is not None else None)
         self._kernels = self._build_kernels(cfg, self.arena)
         self._closed = False
 
@@ -250,4 +259,13 @@ class EpDispatchCombineOp(abc.ABC):
             if weights is None:
                 raise ValueError("out_weights: given without weights (there are no weights to combine)")
             _expect("out_weights", out_weights, torch.float32, (n, cfg.num_experts_per_token), self.device)
+        if out is not None or out_weights is not None:
+            # the kernel reads the inputs, and the peers the arena, while it writes the outputs
+            others = (("input", _span(input)), ("weights", _span(weights)),
+                      ("the op's symmetric buffers", self._arena_span))
+            for name, t in (("out", out), ("out_weights", out_weights)):
+                lo, hi = _span(t)
+                for what, (olo, ohi) in others:
+                    if lo < hi and lo < ohi and olo < hi:  # non-empty and intersecting
+                        raise ValueError(f"{name}: overlaps {what}; pass a separate tensor")
         return k.combine(self._pick(n), input, weights, routing, out, out_weights)
