@@ -99,6 +99,13 @@ MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   return last;
 }
 
+// The work item of both kernels' copy loops: one chunk of a token's row, kW * vecUnroll 16-byte
+// vectors (one load per unroll slot per lane), so a row is kChunks items.
+template <EpCfg kCfg>
+constexpr int kChunkVecs = kCfg.waveSize * kCfg.vecUnroll;
+template <EpCfg kCfg>
+constexpr int kChunks = (EpTokenBytes(kCfg) / 16 + kChunkVecs<kCfg> - 1) / kChunkVecs<kCfg>;
+
 // The tokens a dispatch block owns: t = blockIdx.x + blockNum * i for i in [0, BlockTokens()).
 template <EpCfg kCfg>
 MORI_DEVICE int BlockTokens(int n) {
@@ -174,8 +181,8 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   int* tokOff = At<int>(args, rank, args.off_tok_off);
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
 
-  // Work items of this block: one chunk (kW * kUnroll vectors) of one owned token, over its waves.
-  constexpr int kChunkVecs = kW * kUnroll, kChunks = (kVecs + kChunkVecs - 1) / kChunkVecs;
+  // Work items of this block: the chunks of its owned tokens, over its waves.
+  constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
   const int numItems = BlockTokens<kCfg>(n) * kChunks, wave = plat::wave_id();
   auto loadChunk = [&](int item, vec16_t (&buf)[kUnroll]) {
     const int t = OwnedToken<kCfg>(item / kChunks), v0 = (item % kChunks) * kChunkVecs + lane;
@@ -238,11 +245,6 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   }
 }
 
-template <typename T, int kN>
-struct Acc {
-  float v[kN];
-};
-
 template <EpCfg kCfg, typename T>
 MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   static_assert(EpIsValid(kCfg), "invalid EpCfg");
@@ -300,7 +302,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // 3. Pull and sum. A work item is one chunk of one token (kW * kUnroll vectors: one load per
   // unroll slot per lane), so each item costs a single peer round trip and a small batch spreads
   // over many waves instead of walking one row serially. Lane < k holds one forward-map entry.
-  constexpr int kChunkVecs = kW * kUnroll, kChunks = (kVecs + kChunkVecs - 1) / kChunkVecs;
+  constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
   const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
   const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
