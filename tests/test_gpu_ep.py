@@ -171,6 +171,56 @@ def _graph_job(rank, ws):
             op.check()
 
 
+def _zero_copy_job(rank, ws):
+    """Zero-copy combine (expert output written into the staging view) in both of the kernel's
+    barrier paths: few weights (block 0 stages them and publishes at once) and many (every block
+    stages, then the grid-wide arrival count), with and without weights, interleaved with
+    staging-copy combines so the device-side combine epoch must stay right across both."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+
+    gen = torch.Generator().manual_seed(31 + rank)
+    dev = torch.device("cuda", rank)
+    hidden, k = 2048, 8
+    for m in (40, 1100):  # up to 2 * 40 * 8 weights received per rank, or up to 2 * 1100 * 8 (> 8192)
+        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
+            cfg = op.cfg
+            stage = op.get_combine_input_buffer()
+            for i in range(8):
+                n = m if i % 4 == 0 else int(torch.randint(0, m + 1, (1,), generator=gen))
+                x, w, idx = make_inputs(rank, n, hidden, k, cfg.num_experts, BF16, dev, gen)
+                _poison(op)
+                out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+                t = total.item()
+                with_weights, zero_copy = i % 2 == 0, i % 4 != 3
+                if zero_copy:
+                    stage[:t].copy_(out[:t])
+                    stage[t:].fill_(float("nan"))  # rows past total_recv must never be read
+                    exp = stage
+                else:
+                    exp = out.clone()
+                    exp[t:].fill_(float("nan"))
+                y, y_w = op.combine(exp, weights=out_w if with_weights else None, routing=routing)
+                assert (y_w is None) != with_weights
+                golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, x, w, idx, out, out_w,
+                             out_idx, total, routing.recv_src, y, y_w)
+            op.check()
+            if m == 40:  # a short input on rank 0: reported (nothing read past it), then reset() recovers
+                from mori_jit.ops.ep import EpDeviceError
+                x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
+                out, out_w, _, _, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+                t = total.item()
+                rows = max(0, t - 3) if rank == 0 else t
+                op.combine(out[:rows].clone(), weights=out_w[:rows].clone(), routing=routing)
+                torch.cuda.synchronize()
+                if rank == 0:
+                    with pytest.raises(EpDeviceError, match=f"rank 0: combine input had {rows} rows but dispatch received {t}"):
+                        op.check()
+                op.reset()  # collective
+                _round(op, cfg, rank, ws, gen, m)
+                op.check()
+
+
 def _timeout_job(rank, ws):
     from mori_jit.ops.ep import EpDeviceError, EpDispatchCombineOp
 
@@ -194,6 +244,10 @@ def _timeout_job(rank, ws):
 
 def test_golden_all_dtypes_shapes_and_parity():
     run_distributed(_golden_job, _world(), timeout=900, backend="nccl")
+
+
+def test_zero_copy_combine_both_barrier_paths():
+    run_distributed(_zero_copy_job, _world(), timeout=600, backend="nccl")
 
 
 def test_200_rounds_without_reset():

@@ -4,11 +4,11 @@
 // Region offsets and the rank are runtime args (never Cfg fields), so one binary serves every rank.
 //
 // Dispatch: block b owns tokens b, b + blockNum, ... (so a small batch still spans the grid), in
-// two phases split by a block barrier.
+// two phases split by a block barrier (per round of owned tokens; one round unless the grid is small).
 // 1. Claim: one lane per (token, expert slot) maps ids to destination ranks and drops invalid ids
 //    and ranks seen earlier in the token (dedup). One system-scope atomic per (block pass,
 //    destination) claims all the block's rows there; the forward map (tok_off) records
-//    pe*maxRecv + slot.
+//    pe*maxRecv + slot, and shared memory keeps it with the ids and weights for the copy.
 // 2. Copy: a work item is one chunk of one owned token's row (waveSize*vecUnroll vectors), spread
 //    over the block's waves, so a token is copied by several waves at once. Each vector is loaded
 //    once and stored to every destination; a token's first chunk also carries its ids, weights and
@@ -17,11 +17,13 @@
 // peer's flag, then publishes total_recv and advances the epoch on the device (graph replays stay
 // correct).
 //
-// Combine (gather/pull): copy the expert output into the symmetric staging region (skipped when the
-// expert wrote there), a cross-device barrier, then each rank pulls its tokens' rows from the peers'
-// staging regions and sums them in fp32, one wave per (token, chunk of the row). The block that
-// completes the barrier advances the combine epoch (every block has read it by then), so the pull
-// ends the kernel with no further block counter.
+// Combine (gather/pull): copy the expert output rows that peers will pull into the symmetric staging
+// region, a cross-device barrier, then each rank pulls its tokens' rows from the peers' staging
+// regions (its own rows straight from its input) and sums them in fp32, one wave per (token, chunk
+// of the row). When the expert wrote into the staging region
+// (zero-copy) and few weights remain to stage, block 0 stages them and tells the peers at once,
+// with no grid-wide arrival count. Each block counts itself once it has read the combine epoch (a
+// release atomic issued before the pull); the last one advances the epoch when it ends.
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.
@@ -34,7 +36,7 @@ namespace mori::ep {
 using plat::vec16_t;
 
 // Sync-word layout of the local `sync` region (u64 words).
-enum SyncWord : int { kDispBlocks = 0, kStageBlocks = 1, kDispEpoch = 4, kCombEpoch = 5 };
+enum SyncWord : int { kDispBlocks = 0, kStageBlocks = 1, kCombReaders = 2, kDispEpoch = 4, kCombEpoch = 5 };
 // Which spin-wait timed out (high bits of the error detail word).
 enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineReady = 2 };
 constexpr uint64_t kErrShortInput = 0x53484f52ull;  // "SHOR": combine input has fewer rows than received
@@ -42,6 +44,8 @@ constexpr uint64_t kErrShortInput = 0x53484f52ull;  // "SHOR": combine input has
 enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1 };
 constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
 constexpr uint64_t kErrTimeout = 0x4d4f5249ull;  // "MORI"
+// Combine: the most weights (floats) block 0 stages alone before publishing (see EpCombineBody).
+constexpr int kFastPublishMaxWeights = 8192;
 
 // Phase timestamps (the `stamps` region, globaltimer ns; one thread each, negligible cost).
 // kStCombEnd is the latest block's exit (an atomic max), the others are one thread's store.
@@ -99,6 +103,29 @@ MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   return last;
 }
 
+// Block-wide copy of n floats: 16-byte vectors when both pointers allow, kBatch loads in flight per
+// thread (a plain loop would wait out one load latency per element).
+MORI_DEVICE void CopyBlock(float* dst, const float* src, int n) {
+  constexpr int kBatch = 8;
+  int vecDone = 0;
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    const int nv = n / 4;
+    const vec16_t* s = reinterpret_cast<const vec16_t*>(src);
+    vec16_t* d = reinterpret_cast<vec16_t*>(dst);
+    for (int i0 = threadIdx.x; i0 < nv; i0 += blockDim.x * kBatch) {
+      vec16_t v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (i0 + u * int(blockDim.x) < nv) v[u] = plat::load_stream(s + i0 + u * blockDim.x);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (i0 + u * int(blockDim.x) < nv) d[i0 + u * blockDim.x] = v[u];
+    }
+    vecDone = nv * 4;
+  }
+  for (int i = vecDone + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
 // The work item of both kernels' copy loops: one chunk of a token's row, kW * vecUnroll 16-byte
 // vectors (one load per unroll slot per lane), so a row is kChunks items.
 template <EpCfg kCfg>
@@ -114,26 +141,46 @@ MORI_DEVICE int BlockTokens(int n) {
 template <EpCfg kCfg>
 MORI_DEVICE int OwnedToken(int i) { return blockIdx.x + kCfg.blockNum * i; }
 
-// Phase 1 of dispatch: claim a receive slot on every destination of this block's tokens and record
-// pe*maxRecv + slot in the forward map (tok_off). A pass covers kW / kK tokens per wave; the block
-// sums its waves' row counts in shared memory, so each destination's counter takes one
-// system-scope atomic per block pass, all destinations at once (one round trip).
+// Dispatch works in rounds of up to kTok owned tokens, whose routing (forward-map entry, expert id,
+// weight per slot) lives in shared memory between the claim and the copy. One round covers every
+// owned token unless the grid is small (the cap keeps the arrays within 24 KB; a claim pass is at
+// most 1024 lanes, 12 KB).
 template <EpCfg kCfg>
-MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity) {
+struct DispatchRound {
+  static constexpr int kK = kCfg.numExpertPerToken;
+  static constexpr int kPass = kCfg.warpPerBlock * (kCfg.waveSize / kK);  // tokens per claim pass
+  static constexpr int kOwnedPasses = ((kCfg.maxTokPerRank + kCfg.blockNum - 1) / kCfg.blockNum + kPass - 1) / kPass;
+  static constexpr int kCapPasses = 24576 / (kPass * kK * 12) > 0 ? 24576 / (kPass * kK * 12) : 1;
+  static constexpr int kTok = (kOwnedPasses < kCapPasses ? kOwnedPasses : kCapPasses) * kPass;
+  int flat[kTok * kK];  // pe * maxRecv + slot, or -1 (invalid id, or a rank already taken by the token)
+  int expert[kTok * kK];
+  float weight[kTok * kK];
+};
+
+// Phase 1 of dispatch: claim a receive slot on every destination of the round's tokens (owned
+// indices r0 .. r0 + num) and record pe*maxRecv + slot in the forward map (tok_off, for combine) and
+// in the round's shared routing. A pass covers kW / kK tokens per wave; the block sums its waves'
+// row counts in shared memory, so each destination's counter takes one system-scope atomic per
+// block pass, all destinations at once (one round trip).
+template <EpCfg kCfg>
+MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, DispatchRound<kCfg>& round) {
   constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
   constexpr int kTokPerPass = kW / kK, kRecv = EpMaxRecv(kCfg), kWaves = kCfg.warpPerBlock;
   __shared__ int blockCount[kWs], blockBase[kWs];
-  const int lane = plat::lane_id(), owned = BlockTokens<kCfg>(args.numTokens);
+  const int lane = plat::lane_id();
   const int sub = lane / kK, j = lane % kK, group = sub * kK;  // my token within the pass, my slot, its first lane
   const uint64_t below = (uint64_t(1) << lane) - 1;
+  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
   int* tokOff = At<int>(args, args.rank, args.off_tok_off);
   // block-uniform trip count: every thread reaches every __syncthreads
-  for (int i0 = 0; i0 < owned; i0 += kWaves * kTokPerPass) {
-    const int i = i0 + plat::wave_id() * kTokPerPass + sub, t = OwnedToken<kCfg>(i);
-    const bool active = sub < kTokPerPass && i < owned;
-    int pe = -1;
+  for (int l0 = 0; l0 < num; l0 += kWaves * kTokPerPass) {
+    const int li = l0 + plat::wave_id() * kTokPerPass + sub, t = OwnedToken<kCfg>(r0 + li);
+    const bool active = sub < kTokPerPass && li < num;
+    int pe = -1, expert = -1;
+    float weight = 0.f;
     if (active) {
-      const int expert = args.inpIndices[t * kK + j];
+      expert = args.inpIndices[t * kK + j];
+      if (withWeights) weight = args.inpWeights[t * kK + j];
       if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
     }
     bool first = pe >= 0;
@@ -161,9 +208,15 @@ MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity) {
                                                        blockCount[threadIdx.x]);
     __syncthreads();
     const int base = plat::shfl(lane < kWs && count > 0 ? blockBase[lane] + offset : 0, first ? pe : 0);
-    if (active) tokOff[t * kK + j] = first ? pe * kRecv + base + plat::popcount(mine & below) : -1;
+    if (active) {
+      const int flat = first ? pe * kRecv + base + plat::popcount(mine & below) : -1;
+      tokOff[t * kK + j] = flat;
+      round.flat[li * kK + j] = flat;
+      round.expert[li * kK + j] = expert;
+      round.weight[li * kK + j] = weight;
+    }
   }
-  __syncthreads();  // the block's forward-map entries are visible to all its waves
+  __syncthreads();  // the round's routing is visible to all the block's waves
 }
 
 template <EpCfg kCfg, typename T>
@@ -178,47 +231,45 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   uint64_t* sync = SyncWords(args);
   const uint64_t epoch = sync[kDispEpoch];
   const int parity = int(epoch & 1);
-  int* tokOff = At<int>(args, rank, args.off_tok_off);
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
 
-  // Work items of this block: the chunks of its owned tokens, over its waves.
   constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
-  const int numItems = BlockTokens<kCfg>(n) * kChunks, wave = plat::wave_id();
-  auto loadChunk = [&](int item, vec16_t (&buf)[kUnroll]) {
-    const int t = OwnedToken<kCfg>(item / kChunks), v0 = (item % kChunks) * kChunkVecs + lane;
+  const int owned = BlockTokens<kCfg>(n), wave = plat::wave_id();
+  auto loadChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll]) {
+    const int v0 = chunk * kChunkVecs + lane;
     const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
                                                           size_t(t) * EpTokenBytes(kCfg));
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
   };
-  vec16_t buf[kUnroll];
-  if (wave < numItems) loadChunk(wave, buf);  // independent of the slots: overlaps the claim
-
-  ClaimSlots<kCfg>(args, parity);
-  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
-
+  __shared__ DispatchRound<kCfg> round;
   const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
-  for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
-    if (item != wave) loadChunk(item, buf);
-    const int t = OwnedToken<kCfg>(item / kChunks), chunk = item % kChunks, v0 = chunk * kChunkVecs + lane;
-    const int flat = lane < kK ? tokOff[t * kK + lane] : -1;
-    int expert = 0;
-    float weight = 0.f;
-    if (chunk == 0 && lane < kK) {  // the token's metadata travels with its first chunk
-      expert = args.inpIndices[t * kK + lane];
-      if (withWeights) weight = args.inpWeights[t * kK + lane];
-    }
-    for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
-      const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
-      vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
+  for (int r0 = 0; r0 < owned; r0 += DispatchRound<kCfg>::kTok) {
+    // Work items of the round: the chunks of its tokens, over the block's waves.
+    const int numItems = (owned - r0 < DispatchRound<kCfg>::kTok ? owned - r0 : DispatchRound<kCfg>::kTok) * kChunks;
+    vec16_t buf[kUnroll];
+    if (wave < numItems) loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);  // overlaps the claim
+
+    ClaimSlots<kCfg>(args, parity, r0, numItems / kChunks, round);
+    if (r0 == 0 && blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
+
+    for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
+      const int li = item / kChunks, t = OwnedToken<kCfg>(r0 + li), chunk = item % kChunks;
+      const int v0 = chunk * kChunkVecs + lane;
+      if (item != wave) loadChunk(t, chunk, buf);
+      const int flat = lane < kK ? round.flat[li * kK + lane] : -1;
+      for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
+        const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
+        vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
-      if (chunk == 0 && lane < kK) {
-        At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = expert;
-        if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = weight;
-        if (lane == 0) At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+        if (chunk == 0 && lane < kK) {  // the token's metadata travels with its first chunk
+          At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
+          if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = round.weight[li * kK + lane];
+          if (lane == 0) At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
+        }
       }
     }
   }
@@ -226,12 +277,10 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
   if (!LastBlockArrives(args, kDispBlocks)) return;
   // Last block: tell every peer this rank is done, wait for all of them, publish the count.
+  // (The release stores are cumulative over what the barrier in LastBlockArrives ordered.)
   if (threadIdx.x == 0) StampAt(args, kStDispAllArrived);
   const uint64_t target = epoch + 1;
-  if (threadIdx.x < kWs) {
-    plat::fence_system();
-    plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbDispatch) + rank, target);
-  }
+  if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbDispatch) + rank, target);
   if (threadIdx.x < kWs) WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target,
                                      kWaitDispatchDone, threadIdx.x);
   __syncthreads();
@@ -264,12 +313,20 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   const bool sumWeights = stageWeights && args.outWeights != nullptr;
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombStart);
 
+  // The first pull item's forward-map entry (written by dispatch, a previous kernel): loaded before
+  // the barrier so its latency overlaps the wait (the pull loop then loads one item ahead).
+  const int* tokOff = At<int>(args, rank, args.off_tok_off);
+  constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
+  const int firstItem = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
+  const int firstFlat = firstItem < n * kChunks && lane < kK ? tokOff[(firstItem / kChunks) * kK + lane] : -1;
+
   // 1. Stage the expert output (and weights) into this rank's symmetric staging region.
   vec16_t* stage = At<vec16_t>(args, rank, args.off_comb_stage);
   float* stageW = At<float>(args, rank, args.off_comb_stage_wts);
   const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+  const bool stageToks = args.inpTok != stage;
   int rows = total;
-  if (args.inpTok != stage && total > args.inpRows) {  // never read past the caller's tensor
+  if (stageToks && total > args.inpRows) {  // never read past the caller's tensor
     rows = args.inpRows;
     if (tid == 0) {
       volatile uint64_t* err = args.errWord;
@@ -279,45 +336,75 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
       err[0] = kErrShortInput;
     }
   }
-  if (stageWeights && args.inpWeights != stageW)
-    for (int i = tid; i < rows * kK; i += nthreads) stageW[i] = args.inpWeights[i];
-  if (args.inpTok != stage) {
-    const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
-    for (size_t i = tid; i < size_t(rows) * kVecs; i += nthreads) stage[i] = plat::load_stream(in + i);
+  const bool copyWeights = stageWeights && args.inpWeights != stageW;
+  const uint64_t target = epoch + 1;
+  auto publish = [&] {  // this rank's staging is complete: tell every peer
+    if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
+  };
+  // Zero-copy with few weights to stage: block 0 stages them and tells the peers at once, with no
+  // grid-wide arrival count (one SM copies 32 KB in well under the ~1.5 us that count costs).
+  const bool fastPublish = !stageToks && (!copyWeights || rows * kK <= kFastPublishMaxWeights);
+  if (!fastPublish) {
+    if (copyWeights)
+      for (int i = tid; i < rows * kK; i += nthreads) stageW[i] = args.inpWeights[i];
+    if (stageToks) {  // only the rows peers will pull: this rank sums its own straight from the input
+      const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
+      const int* recvSrc = At<int>(args, rank, args.off_recv_to_src);
+      for (int item = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); item < rows * kChunks;
+           item += kCfg.blockNum * kCfg.warpPerBlock) {
+        const int r = item / kChunks, v0 = (item % kChunks) * kChunkVecs + lane;
+        if (recvSrc[r] / kCfg.maxTokPerRank == rank) continue;
+        vec16_t buf[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(in + size_t(r) * kVecs + v0 + u * kW);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) stage[size_t(r) * kVecs + v0 + u * kW] = buf[u];
+      }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombStaged);
+    if (LastBlockArrives(args, kStageBlocks)) publish();
+  } else if (blockIdx.x == 0) {
+    if (copyWeights) CopyBlock(stageW, args.inpWeights, rows * kK);
+    if (threadIdx.x == 0) StampAt(args, kStCombStaged);
+    if constexpr (plat::kFenceEveryWave) plat::fence_system();
+    __syncthreads();  // the release stores below are cumulative over the block's weight stores
+    publish();
   }
 
-  // 2. Cross-device barrier: the last block to finish staging tells every peer; all blocks wait.
-  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombStaged);
-  const uint64_t target = epoch + 1;
-  if (LastBlockArrives(args, kStageBlocks)) {
-    if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
-    if (threadIdx.x == 0) sync[kCombEpoch] = target;  // every block read the epoch before arriving
-  }
+  // 2. Cross-device barrier: every block waits for every peer's staging.
   if (threadIdx.x < kWs)
     WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target, kWaitCombineReady, threadIdx.x);
   __syncthreads();  // the acquire loads above, then the barrier, order every thread's peer loads
   if constexpr (plat::kFenceEveryWave) plat::fence_system();
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombPeersReady);
+  // Every thread of this block has read the epoch; the last block to count itself advances it.
+  // Issued now, its result is first needed at the kernel's end, so the round trip overlaps the pull.
+  unsigned readersBefore = 0;
+  if (threadIdx.x == 0) readersBefore = plat::atomic_add_release_device(reinterpret_cast<unsigned*>(sync + kCombReaders), 1u);
 
   // 3. Pull and sum. A work item is one chunk of one token (kW * kUnroll vectors: one load per
   // unroll slot per lane), so each item costs a single peer round trip and a small batch spreads
   // over many waves instead of walking one row serially. Lane < k holds one forward-map entry.
-  constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
-  const int* tokOff = At<int>(args, rank, args.off_tok_off);
-  const int wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
   const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
-  for (int item = wave; item < n * kChunks; item += numWaves) {
-    const int t = item / kChunks, chunk = item % kChunks;
-    const int flat = lane < kK ? tokOff[t * kK + lane] : -1;
+  int nextFlat = firstFlat;
+  for (int item = firstItem; item < n * kChunks; item += numWaves) {
+    const int t = item / kChunks, chunk = item % kChunks, flat = nextFlat;
+    // the next item's entry, loaded now: its latency overlaps this item's peer round trip
+    const int next = item + numWaves;
+    nextFlat = next < n * kChunks && lane < kK ? tokOff[(next / kChunks) * kK + lane] : -1;
     const uint64_t srcs = plat::ballot(flat >= 0);
-    const vec16_t* rows[kWs];
+    const vec16_t* srcRow[kWs];
     int numSrc = 0;
 #pragma unroll
-    for (int i = 0; i < kWs; ++i) rows[i] = nullptr;
+    for (int i = 0; i < kWs; ++i) srcRow[i] = nullptr;
     for (uint64_t m = srcs; m; m &= m - 1) {
       const int f = plat::shfl(flat, plat::lowest_bit(m));
       const int pe = f / kRecv, slot = f % kRecv;
-      rows[numSrc] = At<vec16_t>(args, pe, args.off_comb_stage) + size_t(slot) * kVecs;
+      if (pe == rank && slot >= args.inpRows) continue;  // short input (reported above): never read past it
+      srcRow[numSrc] = pe == rank ? static_cast<const vec16_t*>(args.inpTok) + size_t(slot) * kVecs
+                                : At<vec16_t>(args, pe, args.off_comb_stage) + size_t(slot) * kVecs;
       ++numSrc;
     }
     vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
@@ -334,7 +421,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
         vec16_t buf[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kW < kVecs) buf[u] = plat::load_peer(rows[s] + v0 + u * kW);
+          if (v0 + u * kW < kVecs) buf[u] = plat::load_peer(srcRow[s] + v0 + u * kW);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const T* el = reinterpret_cast<const T*>(&buf[u]);
@@ -355,9 +442,10 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     if (sumWeights && chunk == 0) {
       float w = 0.f;
       for (uint64_t m = srcs; m; m &= m - 1) {
-        const int f = plat::shfl(flat, plat::lowest_bit(m));
-        if (lane < kK)
-          w += plat::load_peer_f32(At<float>(args, f / kRecv, args.off_comb_stage_wts) + size_t(f % kRecv) * kK + lane);
+        const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
+        if (lane >= kK || (pe == rank && slot >= args.inpRows)) continue;
+        w += plat::load_peer_f32(pe == rank ? args.inpWeights + size_t(slot) * kK + lane
+                                            : At<float>(args, pe, args.off_comb_stage_wts) + size_t(slot) * kK + lane);
       }
       if (lane < kK) args.outWeights[t * kK + lane] = w;
     }
@@ -365,6 +453,10 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
 
   if (threadIdx.x == 0) {
     if (blockIdx.x == 0) StampAt(args, kStCombPulled);
+    if (readersBefore == gridDim.x - 1) {
+      sync[kCombReaders] = 0;
+      sync[kCombEpoch] = target;
+    }
     plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombEnd, plat::now_ns());
   }
 }

@@ -45,6 +45,8 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 #   dispatch  128: 132x8 9.9 | 132x16 10.1 | 64x16 10.4 | 64x8 10.6;  4096: 132x16 41.0 | 132x8 46.3
 #   combine   128: 132x8 11.4/10.8 | 64x16 11.7/11.0 | 132x16 11.8/11.3 | 64x8 13.1/11.6
 #            4096: 132x16 78.0/45.0 | 132x8 112.1/59.3 | 64x16 122.1/67.8
+# Session 4 (run 4, combine stages only the rows peers pull): 4096 132x16 222.8/191.3 | 132x32
+#   222.7/192.7, so 132x16 again above 128 (132x32 also spills: 64 registers, 112 B stack).
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
@@ -54,7 +56,7 @@ DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
 }
 # (world_size, hidden, topk, experts_per_rank | None) -> buckets
 COMBINE_TABLE: dict[tuple, list[Bucket]] = {
-    (2, 7168, 8, 128): [(128, 64, 16), (512, 132, 16), (None, 132, 32)],
+    (2, 7168, 8, 128): [(128, 64, 16), (None, 132, 16)],
     (1, 7168, 8, 256): [(128, 64, 16), (None, 132, 16)],
 }
 
