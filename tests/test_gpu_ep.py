@@ -221,6 +221,44 @@ def _zero_copy_job(rank, ws):
                 op.check()
 
 
+def _queued_rounds_job(rank, ws):
+    """Rounds queued back to back with no host sync, so a rank can run a round ahead of its peer:
+    its next dispatch then writes the peer's arena while the peer's combine still runs. Combine
+    inputs alternate between the dispatch output itself (in the arena: staged whole before the
+    barrier) and a fresh tensor (own rows summed straight from it); every round's result is kept
+    in its own poisoned output and checked at the end: y == U * x and y_w == U * w, U the number
+    of distinct ranks a token went to (the identity expert)."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import make_inputs
+
+    gen = torch.Generator().manual_seed(71 + rank)
+    dev = torch.device("cuda", rank)
+    m, hidden, k, rounds = 128, 7168, 8, 24
+    with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
+        cfg = op.cfg
+        ins = [make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen) for _ in range(rounds)]
+        ys = [torch.full((m, hidden), float("nan"), dtype=BF16, device=dev) for _ in range(rounds)]
+        yws = [torch.full((m, k), float("nan"), dtype=torch.float32, device=dev) for _ in range(rounds)]
+        torch.cuda.synchronize()
+        torch.distributed.barrier()
+        for i, (x, w, idx) in enumerate(ins):
+            out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+            exp = out if i % 2 == 0 else out.clone()
+            op.combine(exp, weights=out_w, routing=routing, out=ys[i], out_weights=yws[i])
+        torch.cuda.synchronize()
+        op.check()
+        bad = []
+        for i, (x, w, idx) in enumerate(ins):
+            ranks = torch.where((idx >= 0) & (idx < cfg.num_experts), idx // cfg.num_experts_per_rank, -1)
+            u = torch.stack([(ranks == r).any(1) for r in range(ws)], 1).sum(1, keepdim=True).float()
+            if not torch.equal(ys[i].float(), x.float() * u):
+                bad.append(f"round {i} y ({'arena' if i % 2 == 0 else 'fresh'} input)")
+            if not torch.allclose(yws[i], w * u, rtol=1e-5, atol=1e-6):
+                bad.append(f"round {i} y_w")
+        torch.distributed.barrier()
+        assert not bad, f"rank {rank}: {bad}"
+
+
 def _timeout_job(rank, ws):
     from mori_jit.ops.ep import EpDeviceError, EpDispatchCombineOp
 
@@ -228,6 +266,8 @@ def _timeout_job(rank, ws):
     gen = torch.Generator().manual_seed(5 + rank)
     with EpDispatchCombineOp(_cfg(rank, ws, 2048, 4, BF16, BF16, 32), None) as op:
         _round(op, op.cfg, rank, ws, gen, 32)
+        # rank 1 may still be reading its outputs; they stay valid only until any rank's next dispatch
+        torch.distributed.barrier()
         from mori_jit.ops.ep.golden import make_inputs
         x, w, idx = make_inputs(rank, 32, 2048, 4, op.cfg.num_experts, BF16, torch.device("cuda", rank), gen)
         if rank == 0:
@@ -248,6 +288,10 @@ def test_golden_all_dtypes_shapes_and_parity():
 
 def test_zero_copy_combine_both_barrier_paths():
     run_distributed(_zero_copy_job, _world(), timeout=600, backend="nccl")
+
+
+def test_queued_rounds_without_host_sync():
+    run_distributed(_queued_rounds_job, _world(), timeout=600, backend="nccl")
 
 
 def test_200_rounds_without_reset():

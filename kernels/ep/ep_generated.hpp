@@ -47,6 +47,7 @@ struct EpArgs {
   uint64_t* errWord;  // host-mapped error words [4]: code, detail (0 = ok)
   int32_t numTokens;  // n of the dispatch call
   int32_t inpRows;  // combine: rows of the expert output (guards a short input)
+  int32_t inpInArena;  // combine: 1 if the expert output lies in the arena (peers' next dispatch may write it): staged whole before the barrier, never read after it
   int32_t rank;  // this rank
   int64_t timeoutNs;  // spin-wait bound in ns
   uint64_t peerBase[8];  // arena base address of every rank, by rank
@@ -71,7 +72,8 @@ static_assert(offsetof(EpArgs, outWeights) == 32, "EpArgs.outWeights moved");
 static_assert(offsetof(EpArgs, errWord) == 40, "EpArgs.errWord moved");
 static_assert(offsetof(EpArgs, numTokens) == 48, "EpArgs.numTokens moved");
 static_assert(offsetof(EpArgs, inpRows) == 52, "EpArgs.inpRows moved");
-static_assert(offsetof(EpArgs, rank) == 56, "EpArgs.rank moved");
+static_assert(offsetof(EpArgs, inpInArena) == 56, "EpArgs.inpInArena moved");
+static_assert(offsetof(EpArgs, rank) == 60, "EpArgs.rank moved");
 static_assert(offsetof(EpArgs, timeoutNs) == 64, "EpArgs.timeoutNs moved");
 static_assert(offsetof(EpArgs, peerBase) == 72, "EpArgs.peerBase moved");
 static_assert(offsetof(EpArgs, off_disp_out) == 136, "EpArgs.off_disp_out moved");

@@ -19,8 +19,8 @@
 //
 // Combine (gather/pull): copy the expert output rows that peers will pull into the symmetric staging
 // region, a cross-device barrier, then each rank pulls its tokens' rows from the peers' staging
-// regions (its own rows straight from its input) and sums them in fp32, one wave per (token, chunk
-// of the row). When the expert wrote into the staging region
+// regions (its own straight from its input, unless that lies in the arena) and sums them in fp32,
+// one wave per (token, chunk of the row). When the expert wrote into the staging region
 // (zero-copy) and few weights remain to stage, block 0 stages them and tells the peers at once,
 // with no grid-wide arrival count. Each block counts itself once it has read the combine epoch (a
 // release atomic issued before the pull); the last one advances the epoch when it ends.
@@ -325,6 +325,9 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   float* stageW = At<float>(args, rank, args.off_comb_stage_wts);
   const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
   const bool stageToks = args.inpTok != stage;
+  // This rank's own rows are summed straight from the input, unless the input lies in the arena,
+  // where a peer's next dispatch may write as soon as this rank has published (see the barrier).
+  const bool ownFromInput = stageToks && !args.inpInArena;
   int rows = total;
   if (stageToks && total > args.inpRows) {  // never read past the caller's tensor
     rows = args.inpRows;
@@ -347,13 +350,13 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   if (!fastPublish) {
     if (copyWeights)
       for (int i = tid; i < rows * kK; i += nthreads) stageW[i] = args.inpWeights[i];
-    if (stageToks) {  // only the rows peers will pull: this rank sums its own straight from the input
+    if (stageToks) {  // the rows peers will pull (and this rank's own unless ownFromInput)
       const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
       const int* recvSrc = At<int>(args, rank, args.off_recv_to_src);
       for (int item = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); item < rows * kChunks;
            item += kCfg.blockNum * kCfg.warpPerBlock) {
         const int r = item / kChunks, v0 = (item % kChunks) * kChunkVecs + lane;
-        if (recvSrc[r] / kCfg.maxTokPerRank == rank) continue;
+        if (ownFromInput && recvSrc[r] / kCfg.maxTokPerRank == rank) continue;
         vec16_t buf[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
@@ -402,9 +405,10 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     for (uint64_t m = srcs; m; m &= m - 1) {
       const int f = plat::shfl(flat, plat::lowest_bit(m));
       const int pe = f / kRecv, slot = f % kRecv;
-      if (pe == rank && slot >= args.inpRows) continue;  // short input (reported above): never read past it
-      srcRow[numSrc] = pe == rank ? static_cast<const vec16_t*>(args.inpTok) + size_t(slot) * kVecs
-                                : At<vec16_t>(args, pe, args.off_comb_stage) + size_t(slot) * kVecs;
+      const bool fromInput = ownFromInput && pe == rank;
+      if (fromInput && slot >= args.inpRows) continue;  // short input (reported above): never read past it
+      srcRow[numSrc] = fromInput ? static_cast<const vec16_t*>(args.inpTok) + size_t(slot) * kVecs
+                                 : At<vec16_t>(args, pe, args.off_comb_stage) + size_t(slot) * kVecs;
       ++numSrc;
     }
     vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
@@ -442,10 +446,9 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     if (sumWeights && chunk == 0) {
       float w = 0.f;
       for (uint64_t m = srcs; m; m &= m - 1) {
-        const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
-        if (lane >= kK || (pe == rank && slot >= args.inpRows)) continue;
-        w += plat::load_peer_f32(pe == rank ? args.inpWeights + size_t(slot) * kK + lane
-                                            : At<float>(args, pe, args.off_comb_stage_wts) + size_t(slot) * kK + lane);
+        const int f = plat::shfl(flat, plat::lowest_bit(m));  // every rank's weights are all staged
+        if (lane < kK)
+          w += plat::load_peer_f32(At<float>(args, f / kRecv, args.off_comb_stage_wts) + size_t(f % kRecv) * kK + lane);
       }
       if (lane < kK) args.outWeights[t * kK + lane] = w;
     }

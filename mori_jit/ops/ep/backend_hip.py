@@ -110,6 +110,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         total_recv = arena.view("total_recv", torch.int32, (1,))
         stage = arena.view("comb_stage", cfg.combine_dtype, (cap, hidden))
         op_id = id(self)
+        arena_lo = arena.tensor.data_ptr()
+        arena_hi, stage_ptr = arena_lo + arena.tensor.nbytes, stage.data_ptr()
 
         def dispatch(v, x, weights, scales, indices):
             dargs.inpTok = x.data_ptr()
@@ -123,8 +125,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         def combine(v, inp, weights, routing, y, y_w):
             n = routing.num_tokens
             # torch.empty from the default allocator, never inp.new_empty: inp may be an arena view
-            # (symmetric memory); with new_empty the post-reset GPU timeout test failed golden
-            # twice, as if y overlapped the arena (docs/PERF.md, session 2). Cause not pinned down.
+            # (symmetric memory). With new_empty the GPU timeout test failed golden twice (session
+            # 2); session 4 found a race in that test itself (rank 0's solo dispatch wrote rank 1's
+            # arena while rank 1 still checked its outputs; fixed with a barrier), the likelier cause.
             if y is None:
                 y = torch.empty((n, hidden), dtype=cfg.combine_dtype, device=dev)
             if y_w is None and weights is not None:
@@ -135,6 +138,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             cargs.outWeights = y_w.data_ptr() if y_w is not None else 0
             cargs.numTokens = n
             cargs.inpRows = inp.shape[0]
+            lo = inp.data_ptr()  # peers' next dispatch writes the arena: an input there is staged whole
+            cargs.inpInArena = int(lo < arena_hi and arena_lo < lo + inp.nbytes and lo != stage_ptr)
             comb_plans[v].launch_struct(cargs)
             return y, y_w
 

@@ -141,6 +141,8 @@ EP_ARGS = ArgsSchema("EpArgs", [
     ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail (0 = ok)"),
     i32("numTokens", doc="n of the dispatch call"),
     i32("inpRows", doc="combine: rows of the expert output (guards a short input)"),
+    i32("inpInArena", doc="combine: 1 if the expert output lies in the arena (peers' next dispatch may "
+                          "write it): staged whole before the barrier, never read after it"),
     i32("rank", doc="this rank"),
     i64("timeoutNs", doc="spin-wait bound in ns"),
     u64("peerBase", EP_MAX_PEERS, "arena base address of every rank, by rank"),
