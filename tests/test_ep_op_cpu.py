@@ -233,3 +233,16 @@ def test_shipped_tuning_tables_are_well_formed(arch):
         launched = {(c.blockNum, c.warpPerBlock) for c in (v.dispatch if kind == DISPATCH else v.combine)}
         if arch == "sm_90a":
             assert launched == {(b, w) for _, b, w in buckets}, f"{kind} {dtype} {ws, hidden, k, epr}"
+
+
+def test_byte_range_overlap():
+    """The one overlap rule behind combine's out= refusal and its arena-input staging decision."""
+    from mori_jit.ops.ep.op import _overlap, _span
+
+    assert _overlap((0, 10), (5, 15)) and _overlap((5, 15), (0, 10))
+    assert _overlap((0, 10), (2, 3)) and _overlap((2, 3), (0, 10))  # containment
+    assert not _overlap((0, 10), (10, 20)) and not _overlap((10, 20), (0, 10))  # adjacent
+    assert not _overlap((5, 5), (0, 10)) and not _overlap((0, 10), (5, 5))  # empty ranges
+    base = torch.empty(64, dtype=torch.uint8)
+    assert _overlap(_span(base[8:16]), _span(base[15:20])) and not _overlap(_span(base[8:16]), _span(base[16:20]))
+    assert _span(None) == (0, 0) and not _overlap(_span(None), _span(base))

@@ -186,6 +186,11 @@ def _zero_copy_job(rank, ws):
         with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
             cfg = op.cfg
             stage = op.get_combine_input_buffer()
+            x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
+            out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+            with pytest.raises(ValueError, match="overlaps the staging buffer without starting at it"):
+                op.combine(stage[1:], weights=None, routing=routing)  # refused on every rank, before a launch
+            op.combine(stage, weights=None, routing=routing)  # the collective round completes
             for i in range(8):
                 n = m if i % 4 == 0 else int(torch.randint(0, m + 1, (1,), generator=gen))
                 x, w, idx = make_inputs(rank, n, hidden, k, cfg.num_experts, BF16, dev, gen)

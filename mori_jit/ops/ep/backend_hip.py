@@ -21,7 +21,7 @@ from mori_jit.jit.toolchain import get_toolchain
 from .arena import SymmArena
 from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, region_bytes
 from .config import EpDispatchCombineConfig
-from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
+from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, _overlap, _span, gather_unquantized_gaps
 from .variants import ep_variants, plan_requests
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting"]
@@ -110,8 +110,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         total_recv = arena.view("total_recv", torch.int32, (1,))
         stage = arena.view("comb_stage", cfg.combine_dtype, (cap, hidden))
         op_id = id(self)
-        arena_lo = arena.tensor.data_ptr()
-        arena_hi, stage_ptr = arena_lo + arena.tensor.nbytes, stage.data_ptr()
+        arena_span, stage_span = _span(arena.tensor), _span(stage)
+        stage_ptr = stage_span[0]
 
         def dispatch(v, x, weights, scales, indices):
             dargs.inpTok = x.data_ptr()
@@ -138,8 +138,13 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             cargs.outWeights = y_w.data_ptr() if y_w is not None else 0
             cargs.numTokens = n
             cargs.inpRows = inp.shape[0]
-            lo = inp.data_ptr()  # peers' next dispatch writes the arena: an input there is staged whole
-            cargs.inpInArena = int(lo < arena_hi and arena_lo < lo + inp.nbytes and lo != stage_ptr)
+            # a peer's next dispatch may write the arena: an input there (but the staging view) is staged whole
+            span = _span(inp)
+            in_arena = span[0] != stage_ptr and _overlap(span, arena_span)
+            if in_arena and _overlap(span, stage_span):  # staging it would copy the region onto itself
+                raise ValueError("input: overlaps the staging buffer without starting at it; pass "
+                                 "get_combine_input_buffer()[:rows] or a separate tensor")
+            cargs.inpInArena = int(in_arena)
             comb_plans[v].launch_struct(cargs)
             return y, y_w
 

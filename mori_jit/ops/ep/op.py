@@ -101,6 +101,11 @@ def _span(t: Optional[torch.Tensor]) -> tuple[int, int]:
     return start, start + t.nbytes
 
 
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two byte ranges [start, end) are both non-empty and intersect."""
+    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
+
+
 class EpDispatchCombineOp(abc.ABC):
     """Expert-parallel dispatch/combine over ``group`` (None = WORLD). Collective to construct.
 
@@ -264,8 +269,8 @@ class EpDispatchCombineOp(abc.ABC):
             others = (("input", _span(input)), ("weights", _span(weights)),
                       ("the op's symmetric buffers", self._arena_span))
             for name, t in (("out", out), ("out_weights", out_weights)):
-                lo, hi = _span(t)
-                for what, (olo, ohi) in others:
-                    if lo < hi and lo < ohi and olo < hi:  # non-empty and intersecting
+                span = _span(t)
+                for what, other in others:
+                    if _overlap(span, other):
                         raise ValueError(f"{name}: overlaps {what}; pass a separate tensor")
         return k.combine(self._pick(n), input, weights, routing, out, out_weights)
