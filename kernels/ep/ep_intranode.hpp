@@ -96,7 +96,10 @@ MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
     last = plat::atomic_add_device(ctr, 1u) == gridDim.x - 1;
     if (last) {
       *ctr = 0;
-      plat::fence_system();  // acquire side: every other block's stores happen-before what follows
+      // Acquire side, at device scope: every block fenced its peer stores at system scope before
+      // counting itself, so its fence synchronizes with this one, and the release stores that
+      // follow (system scope) carry those stores to the peers by causality.
+      plat::fence_device();
     }
   }
   __syncthreads();
