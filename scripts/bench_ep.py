@@ -152,7 +152,7 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     return {"dispatch_us": d_us, "combine_us": c_us}
 
 
-#: Phase stamps written by the kernels (``Stamp`` in kernels/ep/ep_intranode.hpp), as µs since
+#: Phase stamps written by the kernels (``Stamp`` in kernels/ep/ep_common.hpp), as µs since
 #: the kernel's start: (label, stamp index, start index).
 PHASES = [("disp: block 0 claimed its slots", 5, 0), ("disp: block 0 copies done", 1, 0), ("disp: all blocks arrived", 2, 0),
           ("disp: peers' done flags seen", 3, 0), ("disp: end", 4, 0),

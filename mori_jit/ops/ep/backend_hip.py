@@ -26,7 +26,7 @@ from .variants import ep_variants, plan_requests
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting"]
 
-# Must match kernels/ep/ep_intranode.hpp (kErrTimeout, kErrShortInput, WaitId).
+# Must match kernels/ep/ep_common.hpp (kErrTimeout, kErrShortInput, WaitId).
 _ERR_TIMEOUT, _ERR_SHORT_INPUT = 0x4D4F5249, 0x53484F52
 _WAITS = {1: "dispatch: waiting for a peer's dispatch-done flag",
           2: "combine: waiting for a peer's combine-ready flag (cross-device barrier)"}

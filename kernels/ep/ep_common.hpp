@@ -1,0 +1,87 @@
+// What both EP kernels share: arena addressing, the sync words and cross-device flags, phase
+// stamps, bounded spin-waits, the grid-wide last-block count, and the copy loops' work item.
+#pragma once
+#include "common/types.hpp"
+#include "ep/ep_generated.hpp"
+
+namespace mori::ep {
+
+using plat::vec16_t;
+
+// Sync-word layout of the local `sync` region (u64 words).
+enum SyncWord : int { kDispBlocks = 0, kStageBlocks = 1, kCombReaders = 2, kDispEpoch = 4, kCombEpoch = 5 };
+// Which spin-wait timed out (high bits of the error detail word).
+enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineReady = 2 };
+constexpr uint64_t kErrShortInput = 0x53484f52ull;  // "SHOR": combine input has fewer rows than received
+// Cross-device flag rows of the `xdb` region.
+enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1 };
+constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
+constexpr uint64_t kErrTimeout = 0x4d4f5249ull;  // "MORI"
+
+// Phase timestamps (the `stamps` region, globaltimer ns; one thread each, negligible cost).
+// kStCombEnd is the latest block's exit (an atomic max), the others are one thread's store.
+enum Stamp : int {
+  kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4,
+  kStDispClaimed = 5,
+  kStCombStart = 8, kStCombStaged = 9, kStCombPeersReady = 10, kStCombPulled = 11, kStCombEnd = 12,
+};
+
+template <typename P>
+MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {
+  return reinterpret_cast<P*>(a.peerBase[pe] + off);
+}
+
+MORI_DEVICE uint64_t* SyncWords(const EpArgs& a) { return At<uint64_t>(a, a.rank, a.off_sync); }
+MORI_DEVICE void StampAt(const EpArgs& a, Stamp s) { At<uint64_t>(a, a.rank, a.off_stamps)[s] = plat::now_ns(); }
+MORI_DEVICE uint64_t* XdbFlags(const EpArgs& a, int pe, int row) {
+  return At<uint64_t>(a, pe, a.off_xdb) + row * kMaxPeers;
+}
+
+// Spin until *flag >= target; false (and an error recorded) after args.timeoutNs.
+MORI_DEVICE bool WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t target, WaitId wait, int peer) {
+  if (plat::load_acquire_system(flag) >= target) return true;
+  const uint64_t t0 = plat::now_ns();
+  while (plat::load_acquire_system(flag) < target) {
+    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
+      volatile uint64_t* err = a.errWord;
+      err[1] = (uint64_t(wait) << 48) | (uint64_t(peer) << 32) | (uint64_t(a.rank) << 16);
+      err[2] = target;
+      plat::fence_system();
+      err[0] = kErrTimeout;
+      return false;
+    }
+  }
+  return true;
+}
+
+// True in exactly one block: the last one to arrive at counter `word` (which it resets).
+// Where the platform allows (plat::kFenceEveryWave false), one fence per block, by thread 0 after
+// the barrier; otherwise every wave fences its own stores first.
+MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
+  __shared__ int last;
+  if constexpr (plat::kFenceEveryWave) plat::fence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    plat::fence_system();  // the block's peer stores are visible system-wide before it is counted
+    unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
+    last = plat::atomic_add_device(ctr, 1u) == gridDim.x - 1;
+    if (last) {
+      *ctr = 0;
+      // Acquire side, at device scope: every block fenced its peer stores at system scope before
+      // counting itself, so its fence synchronizes with this one, and the release stores that
+      // follow (system scope) carry those stores to the peers by causality.
+      plat::fence_device();
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// The work item of both kernels' copy loops: one chunk of a token's row, kW * vecUnroll 16-byte
+// vectors (one load per unroll slot per lane), so a row is kChunks items.
+template <EpCfg kCfg>
+constexpr int kChunkVecs = kCfg.waveSize * kCfg.vecUnroll;
+template <EpCfg kCfg>
+constexpr int kChunks = (EpTokenBytes(kCfg) / 16 + kChunkVecs<kCfg> - 1) / kChunkVecs<kCfg>;
+
+}  // namespace mori::ep

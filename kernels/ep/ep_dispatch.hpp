@@ -1,0 +1,168 @@
+// EP dispatch kernel body (see ep_intranode.hpp for the protocol).
+#pragma once
+#include "ep/ep_common.hpp"
+
+namespace mori::ep {
+
+// The tokens a dispatch block owns: t = blockIdx.x + blockNum * i for i in [0, BlockTokens()).
+template <EpCfg kCfg>
+MORI_DEVICE int BlockTokens(int n) {
+  return blockIdx.x < n ? (n - blockIdx.x + kCfg.blockNum - 1) / kCfg.blockNum : 0;
+}
+template <EpCfg kCfg>
+MORI_DEVICE int OwnedToken(int i) { return blockIdx.x + kCfg.blockNum * i; }
+
+// Dispatch works in rounds of up to kTok owned tokens, whose routing (forward-map entry, expert id,
+// weight per slot) lives in shared memory between the claim and the copy. One round covers every
+// owned token unless the grid is small (the cap keeps the arrays within 24 KB; a claim pass is at
+// most 1024 lanes, 12 KB).
+template <EpCfg kCfg>
+struct DispatchRound {
+  static constexpr int kK = kCfg.numExpertPerToken;
+  static constexpr int kPass = kCfg.warpPerBlock * (kCfg.waveSize / kK);  // tokens per claim pass
+  static constexpr int kOwnedPasses = ((kCfg.maxTokPerRank + kCfg.blockNum - 1) / kCfg.blockNum + kPass - 1) / kPass;
+  static constexpr int kCapPasses = 24576 / (kPass * kK * 12) > 0 ? 24576 / (kPass * kK * 12) : 1;
+  static constexpr int kTok = (kOwnedPasses < kCapPasses ? kOwnedPasses : kCapPasses) * kPass;
+  int flat[kTok * kK];  // pe * maxRecv + slot, or -1 (invalid id, or a rank already taken by the token)
+  int expert[kTok * kK];
+  float weight[kTok * kK];
+};
+
+// Phase 1 of dispatch: claim a receive slot on every destination of the round's tokens (owned
+// indices r0 .. r0 + num) and record pe*maxRecv + slot in the forward map (tok_off, for combine) and
+// in the round's shared routing. A pass covers kW / kK tokens per wave; the block sums its waves'
+// row counts in shared memory, so each destination's counter takes one system-scope atomic per
+// block pass, all destinations at once (one round trip).
+template <EpCfg kCfg>
+MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, DispatchRound<kCfg>& round) {
+  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
+  constexpr int kTokPerPass = kW / kK, kRecv = EpMaxRecv(kCfg), kWaves = kCfg.warpPerBlock;
+  __shared__ int blockCount[kWs], blockBase[kWs];
+  const int lane = plat::lane_id();
+  const int sub = lane / kK, j = lane % kK, group = sub * kK;  // my token within the pass, my slot, its first lane
+  const uint64_t below = (uint64_t(1) << lane) - 1;
+  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  int* tokOff = At<int>(args, args.rank, args.off_tok_off);
+  // block-uniform trip count: every thread reaches every __syncthreads
+  for (int l0 = 0; l0 < num; l0 += kWaves * kTokPerPass) {
+    const int li = l0 + plat::wave_id() * kTokPerPass + sub, t = OwnedToken<kCfg>(r0 + li);
+    const bool active = sub < kTokPerPass && li < num;
+    int pe = -1, expert = -1;
+    float weight = 0.f;
+    if (active) {
+      expert = args.inpIndices[t * kK + j];
+      if (withWeights) weight = args.inpWeights[t * kK + j];
+      if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
+    }
+    bool first = pe >= 0;
+#pragma unroll
+    for (int l = 0; l < kK; ++l) {
+      const int other = plat::shfl(pe, (group + l) % kW);
+      if (l < j && other == pe) first = false;
+    }
+    // Per destination: which lanes claim a row there; lane d holds destination d's row count.
+    uint64_t mine = 0;
+    int count = 0;
+#pragma unroll
+    for (int d = 0; d < kWs; ++d) {
+      const uint64_t m = plat::ballot(first && pe == d);
+      if (pe == d) mine = m;
+      if (lane == d) count = plat::popcount(m);
+    }
+    if (threadIdx.x < kWs) blockCount[threadIdx.x] = 0;
+    __syncthreads();
+    int offset = 0;  // this wave's rows before the block's other waves', per destination (lane d)
+    if (lane < kWs && count > 0) offset = plat::atomic_add_shared(&blockCount[lane], count);
+    __syncthreads();
+    if (threadIdx.x < kWs && blockCount[threadIdx.x] > 0)
+      blockBase[threadIdx.x] = plat::atomic_add_system(At<int>(args, threadIdx.x, args.off_recv_num) + parity,
+                                                       blockCount[threadIdx.x]);
+    __syncthreads();
+    const int base = plat::shfl(lane < kWs && count > 0 ? blockBase[lane] + offset : 0, first ? pe : 0);
+    if (active) {
+      const int flat = first ? pe * kRecv + base + plat::popcount(mine & below) : -1;
+      tokOff[t * kK + j] = flat;
+      round.flat[li * kK + j] = flat;
+      round.expert[li * kK + j] = expert;
+      round.weight[li * kK + j] = weight;
+    }
+  }
+  __syncthreads();  // the round's routing is visible to all the block's waves
+}
+
+template <EpCfg kCfg, typename T>
+MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
+  static_assert(EpIsValid(kCfg), "invalid EpCfg");
+  static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
+  static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
+  static_assert(kCfg.worldSize <= kMaxPeers, "worldSize exceeds the peer array");
+  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = kCfg.vecUnroll;
+  const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
+  uint64_t* sync = SyncWords(args);
+  const uint64_t epoch = sync[kDispEpoch];
+  const int parity = int(epoch & 1);
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
+
+  constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
+  const int owned = BlockTokens<kCfg>(n), wave = plat::wave_id();
+  auto loadChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll]) {
+    const int v0 = chunk * kChunkVecs + lane;
+    const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
+                                                          size_t(t) * EpTokenBytes(kCfg));
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
+  };
+  __shared__ DispatchRound<kCfg> round;
+  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  for (int r0 = 0; r0 < owned; r0 += DispatchRound<kCfg>::kTok) {
+    // Work items of the round: the chunks of its tokens, over the block's waves.
+    const int numItems = (owned - r0 < DispatchRound<kCfg>::kTok ? owned - r0 : DispatchRound<kCfg>::kTok) * kChunks;
+    vec16_t buf[kUnroll];
+    if (wave < numItems) loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);  // overlaps the claim
+
+    ClaimSlots<kCfg>(args, parity, r0, numItems / kChunks, round);
+    if (r0 == 0 && blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
+
+    for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
+      const int li = item / kChunks, t = OwnedToken<kCfg>(r0 + li), chunk = item % kChunks;
+      const int v0 = chunk * kChunkVecs + lane;
+      if (item != wave) loadChunk(t, chunk, buf);
+      const int flat = lane < kK ? round.flat[li * kK + lane] : -1;
+      for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
+        const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
+        vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+        if (chunk == 0 && lane < kK) {  // the token's metadata travels with its first chunk
+          At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
+          if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = round.weight[li * kK + lane];
+          if (lane == 0) At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
+        }
+      }
+    }
+  }
+
+  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
+  if (!LastBlockArrives(args, kDispBlocks)) return;
+  // Last block: tell every peer this rank is done, wait for all of them, publish the count.
+  // (The release stores are cumulative over what the barrier in LastBlockArrives ordered.)
+  if (threadIdx.x == 0) StampAt(args, kStDispAllArrived);
+  const uint64_t target = epoch + 1;
+  if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbDispatch) + rank, target);
+  if (threadIdx.x < kWs) WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target,
+                                     kWaitDispatchDone, threadIdx.x);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    StampAt(args, kStDispPeersDone);
+    int* recvNum = At<int>(args, rank, args.off_recv_num);
+    *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
+    recvNum[parity] = 0;  // peers' next use of this counter is two epochs away (see header comment)
+    sync[kDispEpoch] = target;
+    StampAt(args, kStDispEnd);
+  }
+}
+
+}  // namespace mori::ep
