@@ -50,6 +50,19 @@ def link_ceiling_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def back_to_back_median_us(fn, reps: int) -> float:
+    """Median µs of ``reps`` back-to-back calls of ``fn``, each timed between events, all queued
+    behind a GPU sleep so the host's launch speed stays out of the figure."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+    ev[0].record()
+    for i in range(reps):
+        fn()
+        ev[i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(reps)) * 1e3
+
+
 def sm_link_rates(rank, ws, nbytes: int = 256 << 20, reps: int = 10) -> dict:
     """GB/s of SM-driven peer traffic (a vectorized elementwise kernel over a peer's symmetric
     buffer): ``pull`` reads the peer, ``push`` writes it; ``one`` = rank 0 alone, ``both`` = every
@@ -77,15 +90,7 @@ def sm_link_rates(rank, ws, nbytes: int = 256 << 20, reps: int = 10) -> dict:
             torch.cuda.synchronize()
             dist.barrier()
             if who == "both" or rank == 0:
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-                torch.cuda._sleep(QUEUE_AHEAD_CYCLES)  # the host queues the whole loop first
-                ev[0].record()
-                for i in range(reps):
-                    fn()
-                    ev[i + 1].record()
-                torch.cuda.synchronize()
-                out[f"sm_{name}_{who}_gbps"] = nbytes / (statistics.median(
-                    ev[i].elapsed_time(ev[i + 1]) for i in range(reps)) * 1e-3) / 1e9
+                out[f"sm_{name}_{who}_gbps"] = nbytes / back_to_back_median_us(fn, reps) / 1e3
             torch.cuda.synchronize()
             dist.barrier()
     del peer, hdl, buf

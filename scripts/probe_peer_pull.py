@@ -8,7 +8,8 @@ for the patterns in between, to tell the link's limit for a pattern from the ker
   rows        -- ``index_select`` of randomly ordered 14 KB peer rows
   chunks      -- ``index_select`` of randomly ordered 2 KB peer chunks
 Each reads ``--rows`` rows of ``--hidden`` bf16 (58.7 MB at the defaults) from the peer; GB/s is
-that over the median event-timed time of ``--reps`` repetitions, both ranks running together.
+that over the median event-timed time of ``--reps`` back-to-back repetitions (queued behind a GPU
+sleep, as the bench times), both ranks running together.
 
     python3 scripts/probe_peer_pull.py            # needs 2 GPUs
 """
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests")]
+from bench_ep import back_to_back_median_us, sm_link_rates  # noqa: E402
 from ep_dist import run_distributed  # noqa: E402
 
 
@@ -52,17 +54,9 @@ def _job(rank, ws, rows, hidden, reps):
         fn()
         torch.cuda.synchronize()
         dist.barrier()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-        ev[0].record()
-        for i in range(reps):
-            fn()
-            ev[i + 1].record()
-        torch.cuda.synchronize()
-        us = statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(reps)) * 1e3
+        us = back_to_back_median_us(fn, reps)
         res[name] = (us, rows * hidden * 2 / us / 1e3)
     if os.environ.get("PROBE_BENCH_RATES"):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from bench_ep import sm_link_rates
         rates = sm_link_rates(rank, ws)
         if rank == 0:
             print("bench_ep.sm_link_rates:", {k: round(v) for k, v in rates.items()}, flush=True)

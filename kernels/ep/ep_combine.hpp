@@ -53,7 +53,9 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // the barrier so its latency overlaps the wait (the pull loop then loads one item ahead).
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
   constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
+  // Both loops below give wave w of the grid items w, w + numWaves, ...
   const int firstItem = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
+  const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
   const int firstFlat = firstItem < n * kChunks && lane < kK ? tokOff[(firstItem / kChunks) * kK + lane] : -1;
 
   // 1. Stage the expert output (and weights) into this rank's symmetric staging region.
@@ -89,8 +91,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     if (stageToks) {  // the rows peers will pull (and this rank's own unless ownFromInput)
       const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
       const int* recvSrc = At<int>(args, rank, args.off_recv_to_src);
-      for (int item = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); item < rows * kChunks;
-           item += kCfg.blockNum * kCfg.warpPerBlock) {
+      for (int item = firstItem; item < rows * kChunks; item += numWaves) {
         const int r = item / kChunks, v0 = (item % kChunks) * kChunkVecs + lane;
         if (ownFromInput && recvSrc[r] / kCfg.maxTokPerRank == rank) continue;
         vec16_t buf[kUnroll];
@@ -126,7 +127,6 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // 3. Pull and sum. A work item is one chunk of one token (kW * kUnroll vectors: one load per
   // unroll slot per lane), so each item costs a single peer round trip and a small batch spreads
   // over many waves instead of walking one row serially. Lane < k holds one forward-map entry.
-  const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
   int nextFlat = firstFlat;
   for (int item = firstItem; item < n * kChunks; item += numWaves) {
     const int t = item / kChunks, chunk = item % kChunks, flat = nextFlat;

@@ -111,7 +111,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         stage = arena.view("comb_stage", cfg.combine_dtype, (cap, hidden))
         op_id = id(self)
         arena_span, stage_span = _span(arena.tensor), _span(stage)
-        stage_ptr = stage_span[0]
 
         def dispatch(v, x, weights, scales, indices):
             dargs.inpTok = x.data_ptr()
@@ -140,7 +139,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             cargs.inpRows = inp.shape[0]
             # a peer's next dispatch may write the arena: an input there (but the staging view) is staged whole
             span = _span(inp)
-            in_arena = span[0] != stage_ptr and _overlap(span, arena_span)
+            in_arena = span[0] != stage_span[0] and _overlap(span, arena_span)
             if in_arena and _overlap(span, stage_span):  # staging it would copy the region onto itself
                 raise ValueError("input: overlaps the staging buffer without starting at it; pass "
                                  "get_combine_input_buffer()[:rows] or a separate tensor")
