@@ -9,7 +9,8 @@ routing = a random permutation of experts per token, first k; bf16/bf16 and fp8/
 Every timed point is first gated by the golden check (exit 1 on failure). Timing: warm-up, a GPU
 sleep so the host queues the loop ahead of the GPU, CUDA
 events, 4 rotating input sets, median of ``--iters``; dispatch and combine timed separately;
-combine both with the in-kernel staging copy and with the expert writing into the staging view.
+combine both from a fresh expert-output tensor ("hip_graph") and with the expert writing into the
+op's combine input buffer ("_zerocopy"); with the push combine the two are read alike.
 """
 from __future__ import annotations
 
@@ -162,8 +163,8 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
 PHASES = [("disp: block 0 claimed its slots", 5, 0), ("disp: block 0 copies done", 1, 0), ("disp: all blocks arrived", 2, 0),
           ("disp: peers' done flags seen", 3, 0), ("disp: end", 4, 0),
           ("gap: disp end -> comb start", 8, 4),
-          ("comb: block 0 staged", 9, 8), ("comb: peers ready", 10, 8), ("comb: block 0 pulled", 11, 8),
-          ("comb: last block done", 12, 8)]
+          ("comb: first range's rows all here", 9, 8), ("comb: last sender done", 10, 8),
+          ("comb: last summer done", 11, 8), ("comb: end (done flags sent)", 12, 8)]
 
 
 def _phase_profile(op, g_disp, g_comb, reps: int = 15) -> dict:

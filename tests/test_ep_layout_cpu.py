@@ -2,6 +2,7 @@
 decoding, and that choosing a backend imports only that backend."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -33,12 +34,21 @@ def test_every_region_has_a_size_and_an_offset_arg():
     assert [a for a in args if a.startswith("off_")] == [f"off_{r}" for r in EP_REGIONS]
     # the asymmetric legs size their own buffers: fp8 rows are half the bf16 staging rows
     assert sizes["disp_out"] * 2 == sizes["comb_stage"] == 2 * 64 * 7168 * 2
+    # combine's push targets are indexed by (source rank, token): world_size * M rows, whatever maxRecv
+    big = region_bytes(dataclasses.replace(d, maxRecv=5 * 64), dataclasses.replace(c, maxRecv=5 * 64))
+    assert big["comb_stage"] == 5 * 64 * 7168 * 2
+    assert big["comb_recv"] == sizes["comb_recv"] == 2 * 64 * 7168 * 2
+    assert big["comb_recv_wts"] == 2 * 64 * c.numExpertPerToken * 4
+    assert big["comb_flags"] == big["src_to_recv"] == 2 * 64 * 8
 
 
 def test_device_errors_decode_to_which_wait_which_rank_which_peer():
     timeout = [0x4D4F5249, (1 << 48) | (1 << 32) | (0 << 16), 7, 0]
     msg = decode_error(timeout, 0)
     assert "rank 0: dispatch" in msg and "from rank 1 timed out" in msg and "never reached 7" in msg
+    ranges = [0x4D4F5249, (3 << 48) | (0 << 32) | (1 << 16), 9, 0]
+    assert "rank 1: combine: waiting for a peer's rows of a token range" in decode_error(ranges, 1)
+    assert "from rank 0 timed out" in decode_error(ranges, 1)
     short = [0x53484F52, 1 << 16, (100 << 32) | 60, 0]
     assert "rank 1: combine input had 60 rows but dispatch received 100" in decode_error(short, 1)
     assert "unknown device error" in decode_error([5, 0, 0, 0], 0)

@@ -236,7 +236,7 @@ def test_shipped_tuning_tables_are_well_formed(arch):
 
 
 def test_byte_range_overlap():
-    """The one overlap rule behind combine's out= refusal and its arena-input staging decision."""
+    """The one overlap rule behind combine's out= refusal."""
     from mori_jit.ops.ep.op import _overlap, _span
 
     assert _overlap((0, 10), (5, 15)) and _overlap((5, 15), (0, 10))

@@ -35,7 +35,8 @@ def _expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:
 def _poison(op):
     """Poison every dispatch output view (not the sync words), then make sure no peer is mid-write."""
     a = op.arena
-    for name in ("disp_out", "out_wts", "out_idx", "recv_to_src", "total_recv", "comb_stage", "comb_stage_wts"):
+    for name in ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv", "comb_stage",
+                 "comb_recv", "comb_recv_wts"):
         a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)  # NaN / -1 patterns
     torch.cuda.synchronize()
     torch.distributed.barrier()
@@ -171,42 +172,43 @@ def _graph_job(rank, ws):
             op.check()
 
 
-def _zero_copy_job(rank, ws):
-    """Zero-copy combine (expert output written into the staging view) in both of the kernel's
-    barrier paths: few weights (block 0 stages them and publishes at once) and many (every block
-    stages, then the grid-wide arrival count), with and without weights, interleaved with
-    staging-copy combines so the device-side combine epoch must stay right across both."""
+def _combine_inputs_job(rank, ws):
+    """Combine from every kind of input: the staging view (zero-copy), a fresh tensor, and the
+    dispatch output itself (in the arena, which a peer's next dispatch writes), with and without
+    weights, token counts from 0 to m (one range to hundreds per rank), and two combines of one
+    dispatch back to back (the second's pushes must not land while a peer still sums the first)."""
     from mori_jit.ops.ep import EpDispatchCombineOp
     from mori_jit.ops.ep.golden import golden_check, make_inputs
 
     gen = torch.Generator().manual_seed(31 + rank)
     dev = torch.device("cuda", rank)
     hidden, k = 2048, 8
-    for m in (40, 1100):  # up to 2 * 40 * 8 weights received per rank, or up to 2 * 1100 * 8 (> 8192)
+    for m in (40, 1100):
         with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
             cfg = op.cfg
             stage = op.get_combine_input_buffer()
-            x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
-            out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
-            with pytest.raises(ValueError, match="overlaps the staging buffer without starting at it"):
-                op.combine(stage[1:], weights=None, routing=routing)  # refused on every rank, before a launch
-            op.combine(stage, weights=None, routing=routing)  # the collective round completes
-            for i in range(8):
+            for i in range(9):
                 n = m if i % 4 == 0 else int(torch.randint(0, m + 1, (1,), generator=gen))
                 x, w, idx = make_inputs(rank, n, hidden, k, cfg.num_experts, BF16, dev, gen)
                 _poison(op)
                 out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
                 t = total.item()
-                with_weights, zero_copy = i % 2 == 0, i % 4 != 3
-                if zero_copy:
+                with_weights, kind = i % 2 == 0, ("stage", "fresh", "out")[i % 3]
+                if kind == "stage":
                     stage[:t].copy_(out[:t])
                     stage[t:].fill_(float("nan"))  # rows past total_recv must never be read
                     exp = stage
-                else:
+                elif kind == "fresh":
                     exp = out.clone()
                     exp[t:].fill_(float("nan"))
-                y, y_w = op.combine(exp, weights=out_w if with_weights else None, routing=routing)
-                assert (y_w is None) != with_weights
+                else:
+                    exp = out
+                y1 = torch.full((n, hidden), float("nan"), dtype=BF16, device=dev)
+                y, y_w = op.combine(exp, weights=out_w if with_weights else None, routing=routing, out=y1)
+                assert y is y1 and (y_w is None) != with_weights
+                if i % 4 == 1:  # the same dispatch combined again, back to back
+                    y, y_w = op.combine(exp, weights=out_w if with_weights else None, routing=routing)
+                    torch.testing.assert_close(y, y1, rtol=0, atol=0)
                 golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, x, w, idx, out, out_w,
                              out_idx, total, routing.recv_src, y, y_w)
             op.check()
@@ -285,14 +287,24 @@ def _timeout_job(rank, ws):
         op.reset()  # collective
         for _ in range(3):
             _round(op, op.cfg, rank, ws, gen, 32)
+        # a combine that rank 1 skips: rank 0's summers (then its closing barrier) give up waiting
+        torch.distributed.barrier()
+        out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        if rank == 0:
+            op.combine(out, weights=out_w, routing=routing)
+            torch.cuda.synchronize()
+            with pytest.raises(EpDeviceError, match=r"rank 0: combine: .* from rank 1 timed out"):
+                op.check()
+        op.reset()  # collective
+        _round(op, op.cfg, rank, ws, gen, 32)
 
 
 def test_golden_all_dtypes_shapes_and_parity():
     run_distributed(_golden_job, _world(), timeout=900, backend="nccl")
 
 
-def test_zero_copy_combine_both_barrier_paths():
-    run_distributed(_zero_copy_job, _world(), timeout=600, backend="nccl")
+def test_combine_inputs_anywhere_and_back_to_back():
+    run_distributed(_combine_inputs_job, _world(), timeout=600, backend="nccl")
 
 
 def test_queued_rounds_without_host_sync():

@@ -4,170 +4,149 @@
 
 namespace mori::ep {
 
-// The most weights (floats) block 0 stages alone before publishing (see EpCombineBody).
-constexpr int kFastPublishMaxWeights = 8192;
+// Tokens per combine range: the unit of a sender's task and of one range-ready flag. It depends on
+// nothing else, so ranks that picked different combine geometries (by their own token counts)
+// agree on every rank's ranges. Small, so that the last ranges to arrive are summed quickly.
+constexpr int kRangeTok = 2;
+MORI_DEVICE int NumRanges(int n) { return (n + kRangeTok - 1) / kRangeTok; }
 
-// Block-wide copy of n floats: 16-byte vectors when both pointers allow, kBatch loads in flight per
-// thread (a plain loop would wait out one load latency per element).
-MORI_DEVICE void CopyBlock(float* dst, const float* src, int n) {
-  constexpr int kBatch = 8;
-  int vecDone = 0;
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
-    const int nv = n / 4;
-    const vec16_t* s = reinterpret_cast<const vec16_t*>(src);
-    vec16_t* d = reinterpret_cast<vec16_t*>(dst);
-    for (int i0 = threadIdx.x; i0 < nv; i0 += blockDim.x * kBatch) {
-      vec16_t v[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (i0 + u * int(blockDim.x) < nv) v[u] = plat::load_stream(s + i0 + u * blockDim.x);
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (i0 + u * int(blockDim.x) < nv) d[i0 + u * blockDim.x] = v[u];
-    }
-    vecDone = nv * 4;
-  }
-  for (int i = vecDone + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+// How this rank's blocks split the work (a local choice: peers only see flags). With at most one
+// send task per block, every block sends its task and then sums (phased). With more, sends and
+// sums overlap: blocks [0, senders) send and the rest sum (pipelined).
+struct CombRoles {
+  int senders, firstSum, sumStride;
+  bool sends, sums;
+};
+MORI_DEVICE CombRoles CombRolesFor(int tasks) {
+  const int grid = int(gridDim.x), b = int(blockIdx.x);
+  if (grid == 1 || tasks <= grid) return {grid, b, grid, true, true};
+  const int senders = grid / 2;
+  return {senders, b - senders, grid - senders, b < senders, b >= senders};
 }
 
-template <EpCfg kCfg, typename T>
-MORI_DEVICE void EpCombineBody(const EpArgs& args) {
-  static_assert(EpIsValid(kCfg), "invalid EpCfg");
-  static_assert(EpSummable(kCfg), "combine sums: the dtype must be Bf16 or Fp32");
-  static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
-  static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
-  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
-  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = kCfg.vecUnroll;
-  constexpr int kPerVec = 16 / sizeof(T);
-  const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
-  uint64_t* sync = SyncWords(args);
-  const uint64_t epoch = sync[kCombEpoch];
-  const int total = *At<int>(args, rank, args.off_total_recv);
-  // Staging serves the peers, summing serves this rank: a rank with n = 0 (empty, possibly null
-  // y_w) must still stage the weights its peers will pull. Every rank passes weights, or none does.
-  const bool stageWeights = kCfg.useWeights && args.inpWeights != nullptr;
-  const bool sumWeights = stageWeights && args.outWeights != nullptr;
-  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombStart);
-
-  // The first pull item's forward-map entry (written by dispatch, a previous kernel): loaded before
-  // the barrier so its latency overlaps the wait (the pull loop then loads one item ahead).
-  const int* tokOff = At<int>(args, rank, args.off_tok_off);
+// Sender: push the rows this rank's experts produced back to their tokens' home ranks, range by
+// range in token order (every rank walks the ranges in the same order, so the home rank's summers
+// can start on the first ranges while the last ones are still in flight). A task is one range of
+// one peer's tokens; its block raises that range's flag on the peer when its stores are done.
+template <EpCfg kCfg>
+MORI_DEVICE void SendRanges(const EpArgs& args, uint64_t target, bool withWeights, int maxRanges, int senders) {
+  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize, kM = kCfg.maxTokPerRank;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll, kDests = kWs > 1 ? kWs - 1 : 1;
   constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
-  // Both loops below give wave w of the grid items w, w + numWaves, ...
-  const int firstItem = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
-  const int numWaves = kCfg.blockNum * kCfg.warpPerBlock;
-  const int firstFlat = firstItem < n * kChunks && lane < kK ? tokOff[(firstItem / kChunks) * kK + lane] : -1;
-
-  // 1. Stage the expert output (and weights) into this rank's symmetric staging region.
-  vec16_t* stage = At<vec16_t>(args, rank, args.off_comb_stage);
-  float* stageW = At<float>(args, rank, args.off_comb_stage_wts);
-  const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
-  const bool stageToks = args.inpTok != stage;
-  // This rank's own rows are summed straight from the input, unless the input lies in the arena,
-  // where a peer's next dispatch may write as soon as this rank has published (see the barrier).
-  const bool ownFromInput = stageToks && !args.inpInArena;
-  int rows = total;
-  if (stageToks && total > args.inpRows) {  // never read past the caller's tensor
-    rows = args.inpRows;
-    if (tid == 0) {
-      volatile uint64_t* err = args.errWord;
-      err[1] = (uint64_t(rank) << 16);
-      err[2] = (uint64_t(total) << 32) | uint32_t(args.inpRows);
-      plat::fence_system();
-      err[0] = kErrShortInput;
-    }
-  }
-  const bool copyWeights = stageWeights && args.inpWeights != stageW;
-  const uint64_t target = epoch + 1;
-  auto publish = [&] {  // this rank's staging is complete: tell every peer
-    if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
+  if (kWs == 1) return;  // nothing to send: a rank's own rows are summed straight from its input
+  const int rank = args.rank, lane = plat::lane_id(), wave = plat::wave_id();
+  const uint64_t* numTok = XdbFlags(args, rank, kXdbNumTok);
+  const uint64_t* srcToRecv = At<uint64_t>(args, rank, args.off_src_to_recv);
+  const uint32_t dispTag = uint32_t(SyncWords(args)[kDispEpoch]);
+  const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
+  // Lane i < kRangeTok: this rank's row of token t0 + i of task q's peer; -1 if that token was not
+  // routed here this epoch (or lies beyond a short input, which the host is told about) or the
+  // task is empty. Loaded one task ahead, so the latency overlaps the current task's copies.
+  auto taskSlot = [&](int q) {
+    const int b = q / kDests, d = (rank + 1 + q % kDests) % kWs, t = b * kRangeTok + lane;
+    if (lane >= kRangeTok || q >= maxRanges * kDests || t >= kM) return -1;
+    const uint64_t e = srcToRecv[d * kM + t];  // issued without waiting for numTok: both are loads
+    return t < int(numTok[d]) && uint32_t(e >> 32) == dispTag && int(uint32_t(e)) < args.inpRows ? int(uint32_t(e)) : -1;
   };
-  // Zero-copy with few weights to stage: block 0 stages them and tells the peers at once, with no
-  // grid-wide arrival count (one SM copies 32 KB in well under the ~1.5 us that count costs).
-  const bool fastPublish = !stageToks && (!copyWeights || rows * kK <= kFastPublishMaxWeights);
-  if (!fastPublish) {
-    if (copyWeights)
-      for (int i = tid; i < rows * kK; i += nthreads) stageW[i] = args.inpWeights[i];
-    if (stageToks) {  // the rows peers will pull (and this rank's own unless ownFromInput)
-      const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
-      const int* recvSrc = At<int>(args, rank, args.off_recv_to_src);
-      for (int item = firstItem; item < rows * kChunks; item += numWaves) {
-        const int r = item / kChunks, v0 = (item % kChunks) * kChunkVecs + lane;
-        if (ownFromInput && recvSrc[r] / kCfg.maxTokPerRank == rank) continue;
-        vec16_t buf[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(in + size_t(r) * kVecs + v0 + u * kW);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kW < kVecs) stage[size_t(r) * kVecs + v0 + u * kW] = buf[u];
-      }
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombStaged);
-    if (LastBlockArrives(args, kStageBlocks)) publish();
-  } else if (blockIdx.x == 0) {
-    if (copyWeights) CopyBlock(stageW, args.inpWeights, rows * kK);
-    if (threadIdx.x == 0) StampAt(args, kStCombStaged);
-    if constexpr (plat::kFenceEveryWave) plat::fence_system();
-    __syncthreads();  // the release stores below are cumulative over the block's weight stores
-    publish();
-  }
-
-  // 2. Cross-device barrier: every block waits for every peer's staging.
-  if (threadIdx.x < kWs)
-    WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target, kWaitCombineReady, threadIdx.x);
-  __syncthreads();  // the acquire loads above, then the barrier, order every thread's peer loads
+  int nextSlot = taskSlot(blockIdx.x);
+  // Before the first store: comb_recv on a peer is free once its previous combine is done.
+  if (threadIdx.x < kWs && threadIdx.x != rank)
+    WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target - 1, kWaitCombineDone, threadIdx.x);
+  __syncthreads();  // the acquire above, then the barrier, order every thread's stores below
   if constexpr (plat::kFenceEveryWave) plat::fence_system();
-  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombPeersReady);
-  // Every thread of this block has read the epoch; the last block to count itself advances it.
-  // Issued now, its result is first needed at the kernel's end, so the round trip overlaps the pull.
-  unsigned readersBefore = 0;
-  if (threadIdx.x == 0) readersBefore = plat::atomic_add_release_device(reinterpret_cast<unsigned*>(sync + kCombReaders), 1u);
-
-  // 3. Pull and sum. A work item is one chunk of one token (kW * kUnroll vectors: one load per
-  // unroll slot per lane), so each item costs a single peer round trip and a small batch spreads
-  // over many waves instead of walking one row serially. Lane < k holds one forward-map entry.
-  int nextFlat = firstFlat;
-  for (int item = firstItem; item < n * kChunks; item += numWaves) {
-    const int t = item / kChunks, chunk = item % kChunks, flat = nextFlat;
-    // the next item's entry, loaded now: its latency overlaps this item's peer round trip
-    const int next = item + numWaves;
-    nextFlat = next < n * kChunks && lane < kK ? tokOff[(next / kChunks) * kK + lane] : -1;
-    const uint64_t srcs = plat::ballot(flat >= 0);
-    const vec16_t* srcRow[kWs];
-    int numSrc = 0;
+  for (int q = blockIdx.x; q < maxRanges * kDests; q += senders) {
+    const int b = q / kDests, d = (rank + 1 + q % kDests) % kWs, nd = int(numTok[d]);
+    const int slot = nextSlot;
+    nextSlot = taskSlot(q + senders);
+    if (b >= NumRanges(nd)) continue;  // block-uniform
+    const int t0 = b * kRangeTok, cnt = min(kRangeTok, nd - t0);
+    vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + t0) * kVecs;
+    float* dstW = At<float>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + t0) * kK;
+    for (int item = wave; item < cnt * kChunks; item += kCfg.warpPerBlock) {
+      const int i = item / kChunks, chunk = item % kChunks, s = plat::shfl(slot, i);
+      if (s < 0) continue;
+      const int v0 = chunk * kChunkVecs + lane;
+      vec16_t buf[kUnroll];
 #pragma unroll
-    for (int i = 0; i < kWs; ++i) srcRow[i] = nullptr;
-    for (uint64_t m = srcs; m; m &= m - 1) {
-      const int f = plat::shfl(flat, plat::lowest_bit(m));
-      const int pe = f / kRecv, slot = f % kRecv;
-      const bool fromInput = ownFromInput && pe == rank;
-      if (fromInput && slot >= args.inpRows) continue;  // short input (reported above): never read past it
-      srcRow[numSrc] = fromInput ? static_cast<const vec16_t*>(args.inpTok) + size_t(slot) * kVecs
-                                 : At<vec16_t>(args, pe, args.off_comb_stage) + size_t(slot) * kVecs;
-      ++numSrc;
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(in + size_t(s) * kVecs + v0 + u * kW);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * kW < kVecs) dst[size_t(i) * kVecs + v0 + u * kW] = buf[u];
+      if (withWeights && chunk == 0 && lane < kK) dstW[i * kK + lane] = args.inpWeights[size_t(s) * kK + lane];
     }
-    vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
-    const int v0 = chunk * kChunkVecs + lane;
-    {
+    if constexpr (plat::kFenceEveryWave) plat::fence_system();
+    __syncthreads();  // the release below is cumulative over the block's stores
+    if (threadIdx.x == 0) plat::store_release_system(At<uint64_t>(args, d, args.off_comb_flags) + rank * kM + b, target);
+  }
+}
+
+// Summer: ranges first, first + stride, ... of this rank's tokens. Each waits for every peer's flag
+// of the range, then sums each token's rows in fp32: its own row straight from the input, a peer's
+// from comb_recv (where that peer pushed it). One work item is one chunk of one token's row.
+template <EpCfg kCfg, typename T>
+MORI_DEVICE void SumRanges(const EpArgs& args, uint64_t target, bool sumWeights, int first, int stride) {
+  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize, kM = kCfg.maxTokPerRank;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = kCfg.vecUnroll;
+  constexpr int kPerVec = 16 / sizeof(T), kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
+  const int rank = args.rank, lane = plat::lane_id(), wave = plat::wave_id(), n = args.numTokens;
+  const int* tokOff = At<int>(args, rank, args.off_tok_off);
+  const uint64_t* flags = At<uint64_t>(args, rank, args.off_comb_flags);
+  const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
+  const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
+  const float* recvW = At<float>(args, rank, args.off_comb_recv_wts);
+  for (int b = first; b < NumRanges(n); b += stride) {
+    const int t0 = b * kRangeTok, numItems = min(kRangeTok, n - t0) * kChunks;
+    // the wave's first forward-map entry (written by dispatch, a previous kernel), loaded before the wait
+    int nextFlat = wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1;
+    // One poller per peer and block (a poller per wave measured slower: the polls load the memory
+    // system the senders use).
+    if (threadIdx.x < kWs && threadIdx.x != rank)
+      WaitAtLeast(args, flags + threadIdx.x * kM + b, target, kWaitCombineRange, threadIdx.x);
+    __syncthreads();  // the acquire loads above, then the barrier, order every thread's loads below
+    if constexpr (plat::kFenceEveryWave) plat::fence_system();
+    if (b == first && first == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
+    for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
+      const int t = t0 + item / kChunks, chunk = item % kChunks, flat = nextFlat;
+      const int next = item + kCfg.warpPerBlock;
+      nextFlat = next < numItems && lane < kK ? tokOff[(t0 + next / kChunks) * kK + lane] : -1;
+      const uint64_t srcs = plat::ballot(flat >= 0);
+      const vec16_t* srcRow[kWs];
+      const float* srcW[kWs];  // this lane's weight (lane < k) of each source
+      int numSrc = 0;
+#pragma unroll
+      for (int i = 0; i < kWs; ++i) srcRow[i] = nullptr, srcW[i] = nullptr;
+      for (uint64_t m = srcs; m; m &= m - 1) {
+        const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
+        if (pe == rank && slot >= args.inpRows) continue;  // short input (reported): never read past it
+        srcRow[numSrc] = pe == rank ? in + size_t(slot) * kVecs : recv + size_t(pe * kM + t) * kVecs;
+        srcW[numSrc++] = (pe == rank ? args.inpWeights + size_t(slot) * kK : recvW + size_t(pe * kM + t) * kK) + lane;
+      }
+      vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
+      const int v0 = chunk * kChunkVecs + lane;
       float acc[kUnroll][kPerVec];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int e = 0; e < kPerVec; ++e) acc[u][e] = 0.f;
+      // two sources' loads in flight at once (a token has one source per rank it went to)
+      for (int s = 0; s < numSrc; s += 2) {
+        const int pair = s + 1 < numSrc ? 2 : 1;
+        vec16_t buf[2][kUnroll];
 #pragma unroll
-      for (int s = 0; s < kWs; ++s) {
-        if (s >= numSrc) break;
-        vec16_t buf[kUnroll];
+        for (int p = 0; p < 2; ++p)
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kW < kVecs) buf[u] = plat::load_peer(srcRow[s] + v0 + u * kW);
+          for (int u = 0; u < kUnroll; ++u)
+            if (p < pair && v0 + u * kW < kVecs) buf[p][u] = plat::load_peer(srcRow[s + p] + v0 + u * kW);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const T* el = reinterpret_cast<const T*>(&buf[u]);
+        for (int p = 0; p < 2; ++p)
 #pragma unroll
-          for (int e = 0; e < kPerVec; ++e) acc[u][e] += to_f32(el[e]);
-        }
+          for (int u = 0; u < kUnroll; ++u) {
+            const T* el = reinterpret_cast<const T*>(&buf[p][u]);
+#pragma unroll
+            for (int e = 0; e < kPerVec; ++e)
+              if (p < pair) acc[u][e] += to_f32(el[e]);
+          }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -178,25 +157,70 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
         for (int e = 0; e < kPerVec; ++e) oe[e] = from_f32<T>(acc[u][e]);
         out[v0 + u * kW] = o;
       }
-    }
-    if (sumWeights && chunk == 0) {
-      float w = 0.f;
-      for (uint64_t m = srcs; m; m &= m - 1) {
-        const int f = plat::shfl(flat, plat::lowest_bit(m));  // every rank's weights are all staged
-        if (lane < kK)
-          w += plat::load_peer_f32(At<float>(args, f / kRecv, args.off_comb_stage_wts) + size_t(f % kRecv) * kK + lane);
+      if (sumWeights && chunk == 0 && lane < kK) {
+        float wv[kWs];  // every source's load issued before any is summed
+#pragma unroll
+        for (int s = 0; s < kWs; ++s) wv[s] = s < numSrc ? plat::load_peer_f32(srcW[s]) : 0.f;
+        float w = 0.f;
+#pragma unroll
+        for (int s = 0; s < kWs; ++s) w += wv[s];
+        args.outWeights[t * kK + lane] = w;
       }
-      if (lane < kK) args.outWeights[t * kK + lane] = w;
+    }
+  }
+}
+
+template <EpCfg kCfg, typename T>
+MORI_DEVICE void EpCombineBody(const EpArgs& args) {
+  static_assert(EpIsValid(kCfg), "invalid EpCfg");
+  static_assert(EpSummable(kCfg), "combine sums: the dtype must be Bf16 or Fp32");
+  static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
+  static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
+  static_assert(kRangeTok <= kCfg.waveSize, "a range's slots are held one per lane");
+  constexpr int kWs = kCfg.worldSize;
+  const int rank = args.rank;
+  uint64_t* sync = SyncWords(args);
+  const uint64_t target = sync[kCombEpoch] + 1;
+  // Every rank passes weights, or none does: a rank with n = 0 (possibly null y_w) still sends its
+  // rows' weights to their home ranks.
+  const bool sendWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  const bool sumWeights = sendWeights && args.outWeights != nullptr;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    StampAt(args, kStCombStart);
+    const int total = *At<int>(args, rank, args.off_total_recv);
+    if (total > args.inpRows) {  // the rows beyond the caller's tensor are skipped; tell the host
+      volatile uint64_t* err = args.errWord;
+      err[1] = (uint64_t(rank) << 16);
+      err[2] = (uint64_t(total) << 32) | uint32_t(args.inpRows);
+      plat::fence_system();
+      err[0] = kErrShortInput;
     }
   }
 
+  const uint64_t* numTok = XdbFlags(args, rank, kXdbNumTok);  // each peer's dispatch n (its ranges)
+  int maxRanges = 0;
+#pragma unroll
+  for (int d = 0; d < kWs; ++d)
+    if (d != rank) maxRanges = max(maxRanges, NumRanges(int(numTok[d])));
+  const CombRoles roles = CombRolesFor(maxRanges * (kWs - 1));
+  if (roles.sends) {
+    SendRanges<kCfg>(args, target, sendWeights, maxRanges, roles.senders);
+    if (threadIdx.x == 0) plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSent, plat::now_ns());
+  }
+  if (roles.sums) {
+    SumRanges<kCfg, T>(args, target, sumWeights, roles.firstSum, roles.sumStride);
+    if (threadIdx.x == 0) plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSummed, plat::now_ns());
+  }
+
+  // End: once all of this rank's blocks are done reading its inputs and comb_recv, tell every peer
+  // (combine-done). A peer's next dispatch (which writes this rank's arena, where the input or the
+  // weights may lie) and next combine (which writes comb_recv) wait for it before their first
+  // store here. The last block advances the epoch (every block read it at its start).
+  if (!LastBlockArrives<false>(args, kCombBlocks)) return;
+  if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
   if (threadIdx.x == 0) {
-    if (blockIdx.x == 0) StampAt(args, kStCombPulled);
-    if (readersBefore == gridDim.x - 1) {
-      sync[kCombReaders] = 0;
-      sync[kCombEpoch] = target;
-    }
-    plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombEnd, plat::now_ns());
+    sync[kCombEpoch] = target;
+    StampAt(args, kStCombEnd);
   }
 }
 

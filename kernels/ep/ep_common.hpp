@@ -9,21 +9,22 @@ namespace mori::ep {
 using plat::vec16_t;
 
 // Sync-word layout of the local `sync` region (u64 words).
-enum SyncWord : int { kDispBlocks = 0, kStageBlocks = 1, kCombReaders = 2, kDispEpoch = 4, kCombEpoch = 5 };
+enum SyncWord : int { kDispBlocks = 0, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5 };
 // Which spin-wait timed out (high bits of the error detail word).
-enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineReady = 2 };
+enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineDone = 2, kWaitCombineRange = 3 };
 constexpr uint64_t kErrShortInput = 0x53484f52ull;  // "SHOR": combine input has fewer rows than received
-// Cross-device flag rows of the `xdb` region.
-enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1 };
+// Cross-device word rows of the `xdb` region (each row indexed by the writing rank).
+enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1, kXdbNumTok = 2 };
 constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
 constexpr uint64_t kErrTimeout = 0x4d4f5249ull;  // "MORI"
 
 // Phase timestamps (the `stamps` region, globaltimer ns; one thread each, negligible cost).
-// kStCombEnd is the latest block's exit (an atomic max), the others are one thread's store.
+// kStCombSent and kStCombSummed are the latest sender's / summer's finish (atomic max), the others
+// are one thread's store.
 enum Stamp : int {
   kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4,
   kStDispClaimed = 5,
-  kStCombStart = 8, kStCombStaged = 9, kStCombPeersReady = 10, kStCombPulled = 11, kStCombEnd = 12,
+  kStCombStart = 8, kStCombFirstRange = 9, kStCombSent = 10, kStCombSummed = 11, kStCombEnd = 12,
 };
 
 template <typename P>
@@ -55,21 +56,33 @@ MORI_DEVICE bool WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t tar
 }
 
 // True in exactly one block: the last one to arrive at counter `word` (which it resets).
-// Where the platform allows (plat::kFenceEveryWave false), one fence per block, by thread 0 after
-// the barrier; otherwise every wave fences its own stores first.
+// kPeerStores: the blocks' stores to peers must be visible system-wide before the last block's
+// release stores. Where the platform allows (plat::kFenceEveryWave false), that is one fence per
+// block, by thread 0 after the barrier; otherwise every wave fences its own stores first. Without
+// kPeerStores, a device-scope release count orders each block's earlier accesses (the reads of
+// buffers the peers will overwrite) before the last block's release stores.
+template <bool kPeerStores>
 MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   __shared__ int last;
-  if constexpr (plat::kFenceEveryWave) plat::fence_system();
+  if constexpr (plat::kFenceEveryWave) {
+    if constexpr (kPeerStores) plat::fence_system(); else plat::fence_device();
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
-    plat::fence_system();  // the block's peer stores are visible system-wide before it is counted
     unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
-    last = plat::atomic_add_device(ctr, 1u) == gridDim.x - 1;
+    unsigned before;
+    if constexpr (kPeerStores) {
+      plat::fence_system();  // the block's peer stores are visible system-wide before it is counted
+      before = plat::atomic_add_device(ctr, 1u);
+    } else {
+      before = plat::atomic_add_release_device(ctr, 1u);
+    }
+    last = before == gridDim.x - 1;
     if (last) {
       *ctr = 0;
-      // Acquire side, at device scope: every block fenced its peer stores at system scope before
-      // counting itself, so its fence synchronizes with this one, and the release stores that
-      // follow (system scope) carry those stores to the peers by causality.
+      // Acquire side, at device scope: every block released (fenced) before counting itself, so
+      // this synchronizes with each, and the system-scope release stores that follow carry what
+      // they ordered to the peers by causality.
       plat::fence_device();
     }
   }

@@ -102,6 +102,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   uint64_t* sync = SyncWords(args);
   const uint64_t epoch = sync[kDispEpoch];
   const int parity = int(epoch & 1);
+  const uint64_t target = epoch + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
 
   constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
@@ -114,6 +115,13 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
   };
+  // Before the first store into a peer's arena: the peer has finished its last combine, which may
+  // still read rows there. Threads of the last wave wait (normally one load) while the first ones
+  // claim; the claim's closing barrier orders the wait before every copy.
+  if (threadIdx.x >= blockDim.x - kWs) {
+    const int pe = threadIdx.x - (blockDim.x - kWs);
+    WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + pe, sync[kCombEpoch], kWaitCombineDone, pe);
+  }
   __shared__ DispatchRound<kCfg> round;
   const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
   for (int r0 = 0; r0 < owned; r0 += DispatchRound<kCfg>::kTok) {
@@ -139,19 +147,25 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
         if (chunk == 0 && lane < kK) {  // the token's metadata travels with its first chunk
           At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
           if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = round.weight[li * kK + lane];
-          if (lane == 0) At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
+          if (lane == 0) {
+            At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
+            // combine's sender on pe walks this rank's tokens in order: where token t landed, this epoch
+            At<uint64_t>(args, pe, args.off_src_to_recv)[rank * kCfg.maxTokPerRank + t] = (target << 32) | uint32_t(slot);
+          }
         }
       }
     }
   }
 
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
-  if (!LastBlockArrives(args, kDispBlocks)) return;
+  if (!LastBlockArrives<true>(args, kDispBlocks)) return;
   // Last block: tell every peer this rank is done, wait for all of them, publish the count.
   // (The release stores are cumulative over what the barrier in LastBlockArrives ordered.)
   if (threadIdx.x == 0) StampAt(args, kStDispAllArrived);
-  const uint64_t target = epoch + 1;
-  if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbDispatch) + rank, target);
+  if (threadIdx.x < kWs) {
+    XdbFlags(args, threadIdx.x, kXdbNumTok)[rank] = uint64_t(n);  // bounds the peer's combine sends to this rank
+    plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbDispatch) + rank, target);
+  }
   if (threadIdx.x < kWs) WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target,
                                      kWaitDispatchDone, threadIdx.x);
   __syncthreads();

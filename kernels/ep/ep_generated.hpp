@@ -47,7 +47,6 @@ struct EpArgs {
   uint64_t* errWord;  // host-mapped error words [4]: code, detail (0 = ok)
   int32_t numTokens;  // n of the dispatch call
   int32_t inpRows;  // combine: rows of the expert output (guards a short input)
-  int32_t inpInArena;  // combine: 1 if the expert output lies in the arena (peers' next dispatch may write it): staged whole before the barrier, never read after it
   int32_t rank;  // this rank
   int64_t timeoutNs;  // spin-wait bound in ns
   uint64_t peerBase[8];  // arena base address of every rank, by rank
@@ -58,9 +57,12 @@ struct EpArgs {
   uint64_t off_tok_off;  // forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)
   uint64_t off_recv_num;  // slot counters [2] i32, by epoch parity (peers add atomically)
   uint64_t off_total_recv;  // received rows of the last dispatch [1] i32 (local)
-  uint64_t off_comb_stage;  // combine staging [maxRecv, combine tokenBytes] (read by peers)
-  uint64_t off_comb_stage_wts;  // combine staging weights [maxRecv, k] f32 (read by peers)
-  uint64_t off_xdb;  // cross-device flags [2, EP_MAX_PEERS] u64: dispatch-done and combine-ready, by source
+  uint64_t off_src_to_recv;  // slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)
+  uint64_t off_comb_stage;  // combine input view [maxRecv, combine tokenBytes] (local: an expert may write its output here)
+  uint64_t off_comb_recv;  // combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)
+  uint64_t off_comb_recv_wts;  // combine weights pushed by peers [ws, M, k] f32 (written by peers)
+  uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range (written by peers)
+  uint64_t off_xdb;  // cross-device words [3, EP_MAX_PEERS] u64, by source: dispatch-done, combine-done, token count
   uint64_t off_sync;  // local sync words [8] u64: block counters and device-side epochs
   uint64_t off_stamps;  // phase timestamps [16] u64 (globaltimer ns) of the last call, for profiling (local)
 };
@@ -72,8 +74,7 @@ static_assert(offsetof(EpArgs, outWeights) == 32, "EpArgs.outWeights moved");
 static_assert(offsetof(EpArgs, errWord) == 40, "EpArgs.errWord moved");
 static_assert(offsetof(EpArgs, numTokens) == 48, "EpArgs.numTokens moved");
 static_assert(offsetof(EpArgs, inpRows) == 52, "EpArgs.inpRows moved");
-static_assert(offsetof(EpArgs, inpInArena) == 56, "EpArgs.inpInArena moved");
-static_assert(offsetof(EpArgs, rank) == 60, "EpArgs.rank moved");
+static_assert(offsetof(EpArgs, rank) == 56, "EpArgs.rank moved");
 static_assert(offsetof(EpArgs, timeoutNs) == 64, "EpArgs.timeoutNs moved");
 static_assert(offsetof(EpArgs, peerBase) == 72, "EpArgs.peerBase moved");
 static_assert(offsetof(EpArgs, off_disp_out) == 136, "EpArgs.off_disp_out moved");
@@ -83,12 +84,15 @@ static_assert(offsetof(EpArgs, off_recv_to_src) == 160, "EpArgs.off_recv_to_src 
 static_assert(offsetof(EpArgs, off_tok_off) == 168, "EpArgs.off_tok_off moved");
 static_assert(offsetof(EpArgs, off_recv_num) == 176, "EpArgs.off_recv_num moved");
 static_assert(offsetof(EpArgs, off_total_recv) == 184, "EpArgs.off_total_recv moved");
-static_assert(offsetof(EpArgs, off_comb_stage) == 192, "EpArgs.off_comb_stage moved");
-static_assert(offsetof(EpArgs, off_comb_stage_wts) == 200, "EpArgs.off_comb_stage_wts moved");
-static_assert(offsetof(EpArgs, off_xdb) == 208, "EpArgs.off_xdb moved");
-static_assert(offsetof(EpArgs, off_sync) == 216, "EpArgs.off_sync moved");
-static_assert(offsetof(EpArgs, off_stamps) == 224, "EpArgs.off_stamps moved");
-static_assert(sizeof(EpArgs) == 232, "EpArgs size changed");
+static_assert(offsetof(EpArgs, off_src_to_recv) == 192, "EpArgs.off_src_to_recv moved");
+static_assert(offsetof(EpArgs, off_comb_stage) == 200, "EpArgs.off_comb_stage moved");
+static_assert(offsetof(EpArgs, off_comb_recv) == 208, "EpArgs.off_comb_recv moved");
+static_assert(offsetof(EpArgs, off_comb_recv_wts) == 216, "EpArgs.off_comb_recv_wts moved");
+static_assert(offsetof(EpArgs, off_comb_flags) == 224, "EpArgs.off_comb_flags moved");
+static_assert(offsetof(EpArgs, off_xdb) == 232, "EpArgs.off_xdb moved");
+static_assert(offsetof(EpArgs, off_sync) == 240, "EpArgs.off_sync moved");
+static_assert(offsetof(EpArgs, off_stamps) == 248, "EpArgs.off_stamps moved");
+static_assert(sizeof(EpArgs) == 256, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

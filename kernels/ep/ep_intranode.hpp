@@ -13,17 +13,24 @@
 //    over the block's waves, so a token is copied by several waves at once. Each vector is loaded
 //    once and stored to every destination; a token's first chunk also carries its ids, weights and
 //    reverse-map entry. A wave's first chunk is loaded before the claim, overlapping its round trip.
-// The last block to finish publishes a done flag (device epoch + 1) on every peer, waits for every
+// Before its first copy, each block waits (normally one load) until every peer has finished its
+// last combine, which may still read rows in this rank's target regions. The last block to finish
+// publishes its token count and a done flag (device epoch + 1) on every peer, waits for every
 // peer's flag, then publishes total_recv and advances the epoch on the device (graph replays stay
-// correct).
+// correct). Each sent row also records on its destination where it landed (src_to_recv, tagged
+// with the epoch), for the combine's senders.
 //
-// Combine (gather/pull): copy the expert output rows that peers will pull into the symmetric staging
-// region, a cross-device barrier, then each rank pulls its tokens' rows from the peers' staging
-// regions (its own straight from its input, unless that lies in the arena) and sums them in fp32,
-// one wave per (token, chunk of the row). When the expert wrote into the staging region
-// (zero-copy) and few weights remain to stage, block 0 stages them and tells the peers at once,
-// with no grid-wide arrival count. Each block counts itself once it has read the combine epoch (a
-// release atomic issued before the pull); the last one advances the epoch when it ends.
+// Combine (gather by push, pipelined): the rows a rank's experts produced go back to their tokens'
+// home ranks. A sender task is one range of kRangeTok tokens of one peer, walked in token order
+// (src_to_recv gives each token's row here): it pushes the rows (and weights) into the peer's
+// comb_recv[source rank, token] and raises that range's flag there with a release store. A summer
+// waits for every peer's flag of its range, then sums each token's rows in fp32: its own straight
+// from the input, the peers' from comb_recv. Every rank walks the ranges in the same order, so the
+// sums of the first ranges overlap the transfer of the last: with more than one task per block,
+// half the blocks send and half sum; otherwise every block sends its task, then sums. Before its
+// first store, a sender waits until the peer has finished its previous combine; when all of a
+// rank's blocks are done reading, the last one publishes combine-done on every peer (what the
+// peers' next dispatch and combine wait for) and advances the combine epoch.
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.

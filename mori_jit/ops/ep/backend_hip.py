@@ -21,7 +21,7 @@ from mori_jit.jit.toolchain import get_toolchain
 from .arena import SymmArena
 from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, region_bytes
 from .config import EpDispatchCombineConfig
-from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, _overlap, _span, gather_unquantized_gaps
+from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
 from .variants import ep_variants, plan_requests
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting"]
@@ -29,8 +29,10 @@ __all__ = ["EpDispatchCombineOpHip", "HipRouting"]
 # Must match kernels/ep/ep_common.hpp (kErrTimeout, kErrShortInput, WaitId).
 _ERR_TIMEOUT, _ERR_SHORT_INPUT = 0x4D4F5249, 0x53484F52
 _WAITS = {1: "dispatch: waiting for a peer's dispatch-done flag",
-          2: "combine: waiting for a peer's combine-ready flag (cross-device barrier)"}
-_SYNC_REGIONS = ("recv_num", "total_recv", "xdb", "sync")
+          2: "waiting for a peer to finish its previous combine (combine-done flag)",
+          3: "combine: waiting for a peer's rows of a token range (range-ready flag)"}
+# Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots).
+_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync")
 
 
 class HipRouting(NamedTuple):
@@ -110,7 +112,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         total_recv = arena.view("total_recv", torch.int32, (1,))
         stage = arena.view("comb_stage", cfg.combine_dtype, (cap, hidden))
         op_id = id(self)
-        arena_span, stage_span = _span(arena.tensor), _span(stage)
 
         def dispatch(v, x, weights, scales, indices):
             dargs.inpTok = x.data_ptr()
@@ -137,13 +138,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             cargs.outWeights = y_w.data_ptr() if y_w is not None else 0
             cargs.numTokens = n
             cargs.inpRows = inp.shape[0]
-            # a peer's next dispatch may write the arena: an input there (but the staging view) is staged whole
-            span = _span(inp)
-            in_arena = span[0] != stage_span[0] and _overlap(span, arena_span)
-            if in_arena and _overlap(span, stage_span):  # staging it would copy the region onto itself
-                raise ValueError("input: overlaps the staging buffer without starting at it; pass "
-                                 "get_combine_input_buffer()[:rows] or a separate tensor")
-            cargs.inpInArena = int(in_arena)
             comb_plans[v].launch_struct(cargs)
             return y, y_w
 
@@ -164,6 +158,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             torch.cuda.synchronize(dev)  # no kernel may still write the error words or the arena
             err = torch.empty(0)
 
-        return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule, stages_in_kernel=True,
+        return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule, stages_in_kernel=False,
                          self_resets_counters=True, capabilities=frozenset({"graph", "zero_copy_combine"}),
                          check=check, reset=reset, staging_view=lambda: stage, close=close)

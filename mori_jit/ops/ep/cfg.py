@@ -125,9 +125,12 @@ EP_REGIONS: dict[str, str] = {
     "tok_off": "forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)",
     "recv_num": "slot counters [2] i32, by epoch parity (peers add atomically)",
     "total_recv": "received rows of the last dispatch [1] i32 (local)",
-    "comb_stage": "combine staging [maxRecv, combine tokenBytes] (read by peers)",
-    "comb_stage_wts": "combine staging weights [maxRecv, k] f32 (read by peers)",
-    "xdb": "cross-device flags [2, EP_MAX_PEERS] u64: dispatch-done and combine-ready, by source",
+    "src_to_recv": "slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)",
+    "comb_stage": "combine input view [maxRecv, combine tokenBytes] (local: an expert may write its output here)",
+    "comb_recv": "combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)",
+    "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers)",
+    "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range (written by peers)",
+    "xdb": "cross-device words [3, EP_MAX_PEERS] u64, by source: dispatch-done, combine-done, token count",
     "sync": "local sync words [8] u64: block counters and device-side epochs",
     "stamps": "phase timestamps [16] u64 (globaltimer ns) of the last call, for profiling (local)",
 }
@@ -141,8 +144,6 @@ EP_ARGS = ArgsSchema("EpArgs", [
     ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail (0 = ok)"),
     i32("numTokens", doc="n of the dispatch call"),
     i32("inpRows", doc="combine: rows of the expert output (guards a short input)"),
-    i32("inpInArena", doc="combine: 1 if the expert output lies in the arena (peers' next dispatch may "
-                          "write it): staged whole before the barrier, never read after it"),
     i32("rank", doc="this rank"),
     i64("timeoutNs", doc="spin-wait bound in ns"),
     u64("peerBase", EP_MAX_PEERS, "arena base address of every rank, by rank"),
@@ -157,12 +158,13 @@ register_header(GeneratedHeader(
 
 def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
     """Bytes of each region for a dispatch leg ``disp`` and a combine leg ``comb`` (same shape)."""
-    recv, k, m = EpMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank
+    recv, k, m, ws = EpMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank, disp.worldSize
     return {
         "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * 4,
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
-        "comb_stage": recv * EpTokenBytes(comb), "comb_stage_wts": recv * k * 4,
-        "xdb": 2 * EP_MAX_PEERS * 8, "sync": 8 * 8, "stamps": 16 * 8,
+        "src_to_recv": ws * m * 8, "comb_stage": recv * EpTokenBytes(comb),
+        "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * 4, "comb_flags": ws * m * 8,
+        "xdb": 3 * EP_MAX_PEERS * 8, "sync": 8 * 8, "stamps": 16 * 8,
     }
 
 

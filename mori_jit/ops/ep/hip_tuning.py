@@ -47,6 +47,9 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 #            4096: 132x16 78.0/45.0 | 132x8 112.1/59.3 | 64x16 122.1/67.8
 # Session 4 (run 4, combine stages only the rows peers pull): 4096 132x16 222.8/191.3 | 132x32
 #   222.7/192.7, so 132x16 again above 128 (132x32 also spills: 64 registers, 112 B stack).
+# Session 5: combine became push-pipelined (half the blocks send, half sum); the table was not
+#   re-swept for it (the session's device time went to the protocol): 132x16 gives 183.6 at 4096
+#   and 64x16 18.6 at 128 (docs/bench/session5/run6).
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {

@@ -48,7 +48,7 @@ class KernelSet:
     dispatch: Callable[..., tuple]
     combine: Callable[..., tuple]
     schedule: Schedule
-    stages_in_kernel: bool  # combine copies the expert output into staging inside the kernel
+    stages_in_kernel: bool  # combine copies the expert output into a staging buffer inside the kernel
     self_resets_counters: bool  # no host work between rounds (graph-capturable)
     capabilities: frozenset[str]
     check: Callable[[], None] = lambda: None
@@ -192,15 +192,16 @@ class EpDispatchCombineOp(abc.ABC):
         return self._kernels.schedule.index(num_tokens)
 
     def get_combine_input_buffer(self) -> torch.Tensor:
-        """The symmetric staging view ``[recv_capacity, hidden]`` (combine dtype).
+        """A preallocated ``[recv_capacity, hidden]`` buffer (combine dtype) an expert may write into.
 
-        An expert that writes its output here lets ``combine(buffer, ...)`` skip the staging copy.
-        Its contents are overwritten by the next combine's staging; rows beyond ``total_recv`` are
-        ignored.
+        ``combine(buffer[:rows] or buffer, ...)`` reads it in place, as it reads any input (the
+        ``hip`` backend has no staging copy), so it is a convenience: a static address for graph
+        captures and no allocation per step. Only this rank writes it; rows beyond ``total_recv``
+        are ignored.
         """
         k = self._live()
         if k.staging_view is None:
-            raise EpUnsupportedError(f"{type(self).__name__} has no symmetric staging buffer")
+            raise EpUnsupportedError(f"{type(self).__name__} has no combine input buffer")
         return k.staging_view()
 
     # -- the op ----------------------------------------------------------------------------------
@@ -242,8 +243,8 @@ class EpDispatchCombineOp(abc.ABC):
         caller passes them: ``out`` (combine dtype) and ``out_weights`` (float32, only with
         ``weights``) are written in place and returned, which saves the allocations (host time)
         and gives graph captures static outputs. Collective: every rank calls it, and either every
-        rank passes ``weights`` or none does (a rank stages its weights for the peers even when it
-        has no tokens of its own).
+        rank passes ``weights`` or none does (a rank sends its rows' weights to their home ranks
+        even when it has no tokens of its own). Repeating a combine for the same dispatch is safe.
         """
         k = self._live()
         cfg = self.cfg
