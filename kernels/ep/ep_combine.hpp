@@ -122,6 +122,12 @@ MORI_DEVICE void SumRanges(const EpArgs& args, uint64_t target, bool sumWeights,
         srcRow[numSrc] = pe == rank ? in + size_t(slot) * kVecs : recv + size_t(pe * kM + t) * kVecs;
         srcW[numSrc++] = (pe == rank ? args.inpWeights + size_t(slot) * kK : recvW + size_t(pe * kM + t) * kK) + lane;
       }
+      // A token's weights (first chunk, lane < k): every source's load issued with the rows' loads
+      // below, not after them, so this item costs one memory latency, not two.
+      const bool withW = sumWeights && chunk == 0 && lane < kK;
+      float wv[kWs];
+#pragma unroll
+      for (int s = 0; s < kWs; ++s) wv[s] = withW && s < numSrc ? plat::load_peer_f32(srcW[s]) : 0.f;
       vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
       const int v0 = chunk * kChunkVecs + lane;
       float acc[kUnroll][kPerVec];
@@ -157,10 +163,7 @@ MORI_DEVICE void SumRanges(const EpArgs& args, uint64_t target, bool sumWeights,
         for (int e = 0; e < kPerVec; ++e) oe[e] = from_f32<T>(acc[u][e]);
         out[v0 + u * kW] = o;
       }
-      if (sumWeights && chunk == 0 && lane < kK) {
-        float wv[kWs];  // every source's load issued before any is summed
-#pragma unroll
-        for (int s = 0; s < kWs; ++s) wv[s] = s < numSrc ? plat::load_peer_f32(srcW[s]) : 0.f;
+      if (withW) {
         float w = 0.f;
 #pragma unroll
         for (int s = 0; s < kWs; ++s) w += wv[s];
