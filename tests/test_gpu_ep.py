@@ -230,11 +230,11 @@ def _combine_inputs_job(rank, ws):
 
 def _queued_rounds_job(rank, ws):
     """Rounds queued back to back with no host sync, so a rank can run a round ahead of its peer:
-    its next dispatch then writes the peer's arena while the peer's combine still runs. Combine
-    inputs alternate between the dispatch output itself (in the arena: staged whole before the
-    barrier) and a fresh tensor (own rows summed straight from it); every round's result is kept
-    in its own poisoned output and checked at the end: y == U * x and y_w == U * w, U the number
-    of distinct ranks a token went to (the identity expert)."""
+    its next dispatch must then wait on the device until the peer's combine is done reading (the
+    combine-done flag). Combine inputs alternate between the dispatch output itself (in the arena,
+    which that next dispatch overwrites) and a fresh tensor; every round's result is kept in its own
+    poisoned output and checked at the end: y == U * x and y_w == U * w, U the number of distinct
+    ranks a token went to (the identity expert)."""
     from mori_jit.ops.ep import EpDispatchCombineOp
     from mori_jit.ops.ep.golden import make_inputs
 
@@ -287,7 +287,7 @@ def _timeout_job(rank, ws):
         op.reset()  # collective
         for _ in range(3):
             _round(op, op.cfg, rank, ws, gen, 32)
-        # a combine that rank 1 skips: rank 0's summers (then its closing barrier) give up waiting
+        # a combine that rank 1 skips: rank 0's summers give up waiting for rank 1's rows
         torch.distributed.barrier()
         out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
         if rank == 0:
