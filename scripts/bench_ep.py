@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ep_dist import run_distributed  # noqa: E402
+from mori_jit.ops.ep.cfg import EP_STAMP_WORDS, Stamp  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 #: GPU cycles (~2 GHz) slept before each timed loop: longer than the host needs to queue the loop.
@@ -158,19 +159,24 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     return {"dispatch_us": d_us, "combine_us": c_us}
 
 
-#: Phase stamps written by the kernels (``Stamp`` in kernels/ep/ep_common.hpp), as µs since
-#: the kernel's start: (label, stamp index, start index).
-PHASES = [("disp: block 0 claimed its slots", 5, 0), ("disp: block 0 copies done", 1, 0), ("disp: all blocks arrived", 2, 0),
-          ("disp: peers' done flags seen", 3, 0), ("disp: end", 4, 0),
-          ("gap: disp end -> comb start", 8, 4),
-          ("comb: first range's rows all here", 9, 8), ("comb: last sender done", 10, 8),
-          ("comb: last summer done", 11, 8), ("comb: end (done flags sent)", 12, 8)]
+#: Phase stamps written by the kernels (``Stamp``, declared in mori_jit/ops/ep/cfg.py), as µs
+#: since the kernel's start: (label, stamp, start stamp).
+PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDispStart),
+          ("disp: block 0 copies done", Stamp.kStDispLoopDone, Stamp.kStDispStart),
+          ("disp: all blocks arrived", Stamp.kStDispAllArrived, Stamp.kStDispStart),
+          ("disp: peers' done flags seen", Stamp.kStDispPeersDone, Stamp.kStDispStart),
+          ("disp: end", Stamp.kStDispEnd, Stamp.kStDispStart),
+          ("gap: disp end -> comb start", Stamp.kStCombStart, Stamp.kStDispEnd),
+          ("comb: first range's rows all here", Stamp.kStCombFirstRange, Stamp.kStCombStart),
+          ("comb: last sender done", Stamp.kStCombSent, Stamp.kStCombStart),
+          ("comb: last summer done", Stamp.kStCombSummed, Stamp.kStCombStart),
+          ("comb: end (done flags sent)", Stamp.kStCombEnd, Stamp.kStCombStart)]
 
 
 def _phase_profile(op, g_disp, g_comb, reps: int = 15) -> dict:
     """Median phase times of single replays, from the kernels' globaltimer stamps."""
     a = op.arena
-    stamps = a.tensor[a.offsets["stamps"]:a.offsets["stamps"] + 16 * 8].view(torch.int64)
+    stamps = a.tensor[a.offsets["stamps"]:a.offsets["stamps"] + EP_STAMP_WORDS * 8].view(torch.int64)
     rows = []
     for _ in range(reps):
         dist.barrier()

@@ -10,7 +10,7 @@ import pytest
 
 from mori_jit.ops.ep.arena import ALIGN, layout
 from mori_jit.ops.ep.backend_hip import decode_error
-from mori_jit.ops.ep.cfg import EP_ARGS, EP_REGIONS, EpCfg, EpDType, region_bytes
+from mori_jit.ops.ep.cfg import EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EP_STAMP_WORDS, EpCfg, EpDType, region_bytes
 
 
 def test_layout_is_aligned_ordered_and_disjoint():
@@ -40,6 +40,18 @@ def test_every_region_has_a_size_and_an_offset_arg():
     assert big["comb_recv"] == sizes["comb_recv"] == 2 * 64 * 7168 * 2
     assert big["comb_recv_wts"] == 2 * 64 * c.numExpertPerToken * 4
     assert big["comb_flags"] == big["src_to_recv"] == 2 * 64 * 8
+
+
+def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
+    from mori_jit.ops.ep.backend_hip import WAIT_MESSAGES
+    from mori_jit.ops.ep.cfg import ErrCode, Stamp, WaitId, XdbRow
+
+    assert set(WAIT_MESSAGES) == set(WaitId)
+    # the values are an ABI between kernels, host and recorded benchmark data
+    assert [int(w) for w in WaitId] == [1, 2, 3]
+    assert (ErrCode.kErrTimeout, ErrCode.kErrShortInput) == (int.from_bytes(b"MORI", "big"), int.from_bytes(b"SHOR", "big"))
+    assert len(XdbRow) * EP_MAX_PEERS * 8 == region_bytes(EpCfg(worldSize=2), EpCfg(worldSize=2))["xdb"]
+    assert max(Stamp) < EP_STAMP_WORDS and len(set(Stamp)) == len(Stamp.__members__)
 
 
 def test_device_errors_decode_to_which_wait_which_rank_which_peer():

@@ -8,24 +8,11 @@ namespace mori::ep {
 
 using plat::vec16_t;
 
-// Sync-word layout of the local `sync` region (u64 words).
+// Sync-word layout of the local `sync` region (u64 words; kernel-only).
 enum SyncWord : int { kDispBlocks = 0, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5 };
-// Which spin-wait timed out (high bits of the error detail word).
-enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineDone = 2, kWaitCombineRange = 3 };
-constexpr uint64_t kErrShortInput = 0x53484f52ull;  // "SHOR": combine input has fewer rows than received
-// Cross-device word rows of the `xdb` region (each row indexed by the writing rank).
-enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1, kXdbNumTok = 2 };
 constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
-constexpr uint64_t kErrTimeout = 0x4d4f5249ull;  // "MORI"
-
-// Phase timestamps (the `stamps` region, globaltimer ns; one thread each, negligible cost).
-// kStCombSent and kStCombSummed are the latest sender's / summer's finish (atomic max), the others
-// are one thread's store.
-enum Stamp : int {
-  kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4,
-  kStDispClaimed = 5,
-  kStCombStart = 8, kStCombFirstRange = 9, kStCombSent = 10, kStCombSummed = 11, kStCombEnd = 12,
-};
+// WaitId, ErrCode, XdbRow and Stamp (the phase-timestamp slots; one thread's store each, negligible
+// cost) are generated into ep_generated.hpp: the host decodes them too.
 
 template <typename P>
 MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {

@@ -7,6 +7,14 @@
 namespace mori::ep {
 
 enum class EpDType : int { Bf16 = 0, Fp32 = 1, Fp8 = 2, Fp4x2 = 3 };
+// Which spin-wait timed out (the high bits of the error detail word).
+enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineDone = 2, kWaitCombineRange = 3 };
+// Device error codes (word 0 of the host-mapped error words; 0 = no error).
+enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52 };
+// Rows of the cross-device `xdb` region, each indexed by the writing rank.
+enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1, kXdbNumTok = 2 };
+// Phase-timestamp slots of the `stamps` region (globaltimer ns of the last call).
+enum Stamp : int { kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4, kStDispClaimed = 5, kStCombStart = 8, kStCombFirstRange = 9, kStCombSent = 10, kStCombSummed = 11, kStCombEnd = 12 };
 
 struct EpCfg {
   int worldSize = 8;
@@ -62,9 +70,9 @@ struct EpArgs {
   uint64_t off_comb_recv;  // combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)
   uint64_t off_comb_recv_wts;  // combine weights pushed by peers [ws, M, k] f32 (written by peers)
   uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range (written by peers)
-  uint64_t off_xdb;  // cross-device words [3, EP_MAX_PEERS] u64, by source: dispatch-done, combine-done, token count
+  uint64_t off_xdb;  // cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count
   uint64_t off_sync;  // local sync words [8] u64: block counters and device-side epochs
-  uint64_t off_stamps;  // phase timestamps [16] u64 (globaltimer ns) of the last call, for profiling (local)
+  uint64_t off_stamps;  // phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)
 };
 static_assert(offsetof(EpArgs, inpTok) == 0, "EpArgs.inpTok moved");
 static_assert(offsetof(EpArgs, inpWeights) == 8, "EpArgs.inpWeights moved");

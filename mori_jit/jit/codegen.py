@@ -1,4 +1,4 @@
-"""Generated C++ headers: enums, Cfg structs, shared arithmetic and args structs, from Python.
+"""Generated C++ headers: enums, named constants, Cfg structs, shared arithmetic and args structs, from Python.
 
 A :class:`GeneratedHeader` names a file under ``kernels/`` and the Python declarations it mirrors.
 Headers are written by the build hook (``setup.py``) and by ``mori-jit precompile``/``compile``
@@ -18,7 +18,7 @@ from typing import Sequence
 
 from .args import ArgsSchema
 from .expr import Derived
-from .fields import CEnum, cpp_enum, cpp_struct
+from .fields import CConst, CEnum, cpp_consts, cpp_enum, cpp_struct
 
 __all__ = ["GeneratedHeader", "register_header", "registered_headers", "write_headers", "stale_headers"]
 
@@ -30,6 +30,7 @@ class GeneratedHeader:
     path: str
     namespace: str
     enums: Sequence[type[CEnum]] = ()
+    consts: Sequence[type[CConst]] = ()
     cfgs: Sequence[type] = ()
     derived: Sequence[Derived] = ()
     args: Sequence[ArgsSchema] = ()
@@ -42,6 +43,7 @@ class GeneratedHeader:
             f"namespace {self.namespace} {{", "",
         ]
         parts += [cpp_enum(e) for e in self.enums]
+        parts += [cpp_consts(c) for c in self.consts]
         parts += [""] + [cpp_struct(c) + "\n" for c in self.cfgs]
         parts += [d.cpp_definition() for d in self.derived]
         parts += [""] + [a.cpp_struct() + "\n" for a in self.args]

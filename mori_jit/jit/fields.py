@@ -20,8 +20,8 @@ import typing
 from typing import Any, Mapping
 
 __all__ = [
-    "CEnum", "FieldInfo", "ConfigError", "cfg_fields", "render_cfg", "describe", "request_schema",
-    "apply_request", "cpp_struct", "cpp_enum", "coerce_field",
+    "CEnum", "CConst", "FieldInfo", "ConfigError", "cfg_fields", "render_cfg", "describe", "request_schema",
+    "apply_request", "cpp_struct", "cpp_enum", "cpp_consts", "coerce_field",
 ]
 
 
@@ -60,6 +60,17 @@ class CEnum(enum.IntEnum):
 
     def cpp(self) -> str:
         return f"{type(self).__name__}::{self.name}"
+
+
+class CConst(enum.IntEnum):
+    """Named integer codes that kernels write and the host reads (wait ids, error codes, stamp
+    slots), mirrored into C++ as an unscoped ``enum <ClassName> : <ctype()> { ... }`` so kernel code
+    uses the bare names. Members are spelled as in C++ (``kWaitDispatchDone``)."""
+
+    @classmethod
+    def ctype(cls) -> str:
+        """The enum's C++ underlying type."""
+        return "int"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +174,14 @@ def apply_request(base: Any, request: Mapping[str, Any]) -> Any:
 def cpp_enum(enum_cls: type[CEnum]) -> str:
     members = ", ".join(f"{m.name} = {int(m)}" for m in enum_cls)
     return f"enum class {enum_cls.__name__} : int {{ {members} }};"
+
+
+def cpp_consts(cls: type[CConst]) -> str:
+    """The C++ unscoped enum for ``cls``, its docstring's first line as a comment."""
+    doc = (cls.__doc__ or "").strip().splitlines()
+    members = ", ".join(f"{m.name} = {int(m):#x}" if int(m) > 0xFFFF else f"{m.name} = {int(m)}" for m in cls)
+    comment = f"// {doc[0]}\n" if doc else ""
+    return f"{comment}enum {cls.__name__} : {cls.ctype()} {{ {members} }};"
 
 
 def cpp_struct(cls: type) -> str:

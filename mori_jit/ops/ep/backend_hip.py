@@ -19,18 +19,17 @@ from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
-from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, region_bytes
+from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, ErrCode, WaitId, region_bytes
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
 from .variants import ep_variants, plan_requests
 
-__all__ = ["EpDispatchCombineOpHip", "HipRouting"]
+__all__ = ["EpDispatchCombineOpHip", "HipRouting", "WAIT_MESSAGES", "decode_error"]
 
-# Must match kernels/ep/ep_common.hpp (kErrTimeout, kErrShortInput, WaitId).
-_ERR_TIMEOUT, _ERR_SHORT_INPUT = 0x4D4F5249, 0x53484F52
-_WAITS = {1: "dispatch: waiting for a peer's dispatch-done flag",
-          2: "waiting for a peer to finish its previous combine (combine-done flag)",
-          3: "combine: waiting for a peer's rows of a token range (range-ready flag)"}
+#: What each spin-wait of the kernels waits for (every WaitId has one; a CPU test checks).
+WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispatch-done flag",
+                 WaitId.kWaitCombineDone: "waiting for a peer to finish its previous combine (combine-done flag)",
+                 WaitId.kWaitCombineRange: "combine: waiting for a peer's rows of a token range (range-ready flag)"}
 # Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots).
 _SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync")
 
@@ -49,11 +48,11 @@ class HipRouting(NamedTuple):
 def decode_error(words: list[int], rank: int) -> str:
     """A readable message for the device error words (code, detail, extra)."""
     code, detail, extra = words[0], words[1], words[2]
-    if code == _ERR_TIMEOUT:
+    if code == ErrCode.kErrTimeout:
         wait, peer, who = detail >> 48, (detail >> 32) & 0xFFFF, (detail >> 16) & 0xFFFF
-        return (f"rank {who}: {_WAITS.get(wait, f'wait {wait}')} from rank {peer} timed out after "
+        return (f"rank {who}: {WAIT_MESSAGES.get(wait, f'wait {wait}')} from rank {peer} timed out after "
                 f"MORI_EP_TIMEOUT_S (flag never reached {extra}); a peer skipped or is stuck in a collective")
-    if code == _ERR_SHORT_INPUT:
+    if code == ErrCode.kErrShortInput:
         return (f"rank {(detail >> 16) & 0xFFFF}: combine input had {extra & 0xFFFFFFFF} rows but dispatch "
                 f"received {extra >> 32}; the missing rows were not combined")
     return f"unknown device error code {code:#x} (detail {detail:#x})"

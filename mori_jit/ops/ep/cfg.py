@@ -13,13 +13,13 @@ from mori_jit.jit import knobs
 from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
 from mori_jit.jit.codegen import GeneratedHeader, register_header
 from mori_jit.jit.expr import C, Derived, where
-from mori_jit.jit.fields import CEnum, ConfigError, apply_request, cfg_fields
+from mori_jit.jit.fields import CConst, CEnum, ConfigError, apply_request, cfg_fields
 from mori_jit.jit.toolchain import wave_size_for_arch
 
 from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
-__all__ = ["EpDType", "EpCfg", "EP_ARGS", "EP_REGIONS", "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes",
-           "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
+__all__ = ["EpDType", "WaitId", "ErrCode", "XdbRow", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS", "EP_REGIONS",
+           "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes", "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
            "EpSummable", "DISPATCH", "COMBINE"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
@@ -43,6 +43,57 @@ class EpDType(CEnum):
         name = str(value).replace("torch.", "")
         return {"bfloat16": cls.Bf16, "float32": cls.Fp32, "float8_e4m3fn": cls.Fp8,
                 "float8_e4m3fnuz": cls.Fp8, "float4_e2m1fn_x2": cls.Fp4x2, "uint8": cls.Fp4x2}.get(name)
+
+
+class WaitId(CConst):
+    """Which spin-wait timed out (the high bits of the error detail word)."""
+
+    kWaitDispatchDone = 1
+    kWaitCombineDone = 2
+    kWaitCombineRange = 3
+
+    @classmethod
+    def ctype(cls) -> str:
+        return "uint64_t"
+
+
+class ErrCode(CConst):
+    """Device error codes (word 0 of the host-mapped error words; 0 = no error)."""
+
+    kErrTimeout = 0x4D4F5249  # "MORI": a spin-wait gave up after the timeout
+    kErrShortInput = 0x53484F52  # "SHOR": the combine input has fewer rows than were received
+
+    @classmethod
+    def ctype(cls) -> str:
+        return "uint64_t"
+
+
+class XdbRow(CConst):
+    """Rows of the cross-device `xdb` region, each indexed by the writing rank."""
+
+    kXdbDispatch = 0  # dispatch done (epoch)
+    kXdbCombine = 1  # combine done reading (epoch)
+    kXdbNumTok = 2  # token count of the writer's last dispatch
+
+
+class Stamp(CConst):
+    """Phase-timestamp slots of the `stamps` region (globaltimer ns of the last call)."""
+
+    kStDispStart = 0
+    kStDispLoopDone = 1
+    kStDispAllArrived = 2
+    kStDispPeersDone = 3
+    kStDispEnd = 4
+    kStDispClaimed = 5
+    kStCombStart = 8
+    kStCombFirstRange = 9
+    kStCombSent = 10  # the latest sender's finish (atomic max)
+    kStCombSummed = 11  # the latest summer's finish (atomic max)
+    kStCombEnd = 12
+
+
+#: Words of the `stamps` region.
+EP_STAMP_WORDS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +181,9 @@ EP_REGIONS: dict[str, str] = {
     "comb_recv": "combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)",
     "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers)",
     "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range (written by peers)",
-    "xdb": "cross-device words [3, EP_MAX_PEERS] u64, by source: dispatch-done, combine-done, token count",
+    "xdb": "cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count",
     "sync": "local sync words [8] u64: block counters and device-side epochs",
-    "stamps": "phase timestamps [16] u64 (globaltimer ns) of the last call, for profiling (local)",
+    "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
 }
 
 EP_ARGS = ArgsSchema("EpArgs", [
@@ -151,7 +202,7 @@ EP_ARGS = ArgsSchema("EpArgs", [
 ])
 
 register_header(GeneratedHeader(
-    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], cfgs=[EpCfg],
+    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[WaitId, ErrCode, XdbRow, Stamp], cfgs=[EpCfg],
     derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpSummable, EpIsValid],
     args=[EP_ARGS]))
 
@@ -164,7 +215,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
         "src_to_recv": ws * m * 8, "comb_stage": recv * EpTokenBytes(comb),
         "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * 4, "comb_flags": ws * m * 8,
-        "xdb": 3 * EP_MAX_PEERS * 8, "sync": 8 * 8, "stamps": 16 * 8,
+        "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": 8 * 8, "stamps": EP_STAMP_WORDS * 8,
     }
 
 
