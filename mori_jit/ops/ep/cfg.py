@@ -19,7 +19,8 @@ from mori_jit.jit.toolchain import wave_size_for_arch
 from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
 __all__ = ["EpDType", "WaitId", "ErrCode", "XdbRow", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS", "EP_REGIONS",
-           "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes", "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
+           "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes",
+           "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
            "EpSummable", "DISPATCH", "COMBINE"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
@@ -45,27 +46,27 @@ class EpDType(CEnum):
                 "float8_e4m3fnuz": cls.Fp8, "float4_e2m1fn_x2": cls.Fp4x2, "uint8": cls.Fp4x2}.get(name)
 
 
-class WaitId(CConst):
+class _U64Const(CConst):
+    """Codes that kernels combine with 64-bit error words (underlying type uint64_t)."""
+
+    @classmethod
+    def ctype(cls) -> str:
+        return "uint64_t"
+
+
+class WaitId(_U64Const):
     """Which spin-wait timed out (the high bits of the error detail word)."""
 
     kWaitDispatchDone = 1
     kWaitCombineDone = 2
     kWaitCombineRange = 3
 
-    @classmethod
-    def ctype(cls) -> str:
-        return "uint64_t"
 
-
-class ErrCode(CConst):
+class ErrCode(_U64Const):
     """Device error codes (word 0 of the host-mapped error words; 0 = no error)."""
 
     kErrTimeout = 0x4D4F5249  # "MORI": a spin-wait gave up after the timeout
     kErrShortInput = 0x53484F52  # "SHOR": the combine input has fewer rows than were received
-
-    @classmethod
-    def ctype(cls) -> str:
-        return "uint64_t"
 
 
 class XdbRow(CConst):
