@@ -9,7 +9,8 @@ namespace mori::ep {
 using plat::vec16_t;
 
 // Sync-word layout of the local `sync` region (u64 words; kernel-only).
-enum SyncWord : int { kDispBlocks = 0, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5 };
+// kCombSumNext: the combine's next range to sum (a claim counter; reset by its last block).
+enum SyncWord : int { kDispBlocks = 0, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5, kCombSumNext = 6 };
 constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
 // WaitId, ErrCode, XdbRow and Stamp (the phase-timestamp slots; one thread's store each, negligible
 // cost) are generated into ep_generated.hpp: the host decodes them too.

@@ -23,14 +23,17 @@
 // Combine (gather by push, pipelined): the rows a rank's experts produced go back to their tokens'
 // home ranks. A sender task is one range of kRangeTok tokens of one peer, walked in token order
 // (src_to_recv gives each token's row here): it pushes the rows (and weights) into the peer's
-// comb_recv[source rank, token] and raises that range's flag there with a release store. A summer
-// waits for every peer's flag of its range, then sums each token's rows in fp32: its own straight
-// from the input, the peers' from comb_recv. Every rank walks the ranges in the same order, so the
-// sums of the first ranges overlap the transfer of the last: with more than one task per block,
-// half the blocks send and half sum; otherwise every block sends its task, then sums. Before its
-// first store, a sender waits until the peer has finished its previous combine; when all of a
-// rank's blocks are done reading, the last one publishes combine-done on every peer (what the
-// peers' next dispatch and combine wait for) and advances the combine epoch.
+// comb_recv[source rank, token] and raises that range's flag there with a release store. A task's
+// rows are spread flat over the block's threads, and the next task's loads are issued right after
+// this task's stores. A summer claims the next range of its own tokens from a counter, waits for
+// every peer's flag of it, then sums each token's rows in fp32: its own straight from the input,
+// the peers' from comb_recv. Every rank walks the ranges in the same order, so the sums of the
+// first ranges overlap the transfer of the last: with more than one task per block, 7/16 of the
+// blocks send while the rest sum, and senders join the summing when their pushes are done;
+// otherwise every block sends its task, then sums. Before its first store, a sender waits until
+// the peer has finished its previous combine; when all of a rank's blocks are done reading, the
+// last one publishes combine-done on every peer (what the peers' next dispatch and combine wait
+// for) and advances the combine epoch.
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.
