@@ -47,9 +47,18 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 #            4096: 132x16 78.0/45.0 | 132x8 112.1/59.3 | 64x16 122.1/67.8
 # Session 4 (run 4, combine stages only the rows peers pull): 4096 132x16 222.8/191.3 | 132x32
 #   222.7/192.7, so 132x16 again above 128 (132x32 also spills: 64 registers, 112 B stack).
-# Session 5: combine became push-pipelined (half the blocks send, half sum); the table was not
-#   re-swept for it (the session's device time went to the protocol): 132x16 gives 183.6 at 4096
-#   and 64x16 18.6 at 128 (docs/bench/session5/run6).
+# Session 5: combine became push-pipelined; not re-swept then (132x16 183.6 at 4096, 64x16 18.6 at 128).
+# Session 6 (7/16 of the blocks send, sums claimed in order), run 4, graph mode, fresh/buffer input,
+#   docs/bench/session6/run4/sweep_ep{2,1}.json. The table did not move:
+#   EP2 combine  128: 64x16 18.0/18.1 | 132x16 18.2/18.1 | 132x8 18.6/18.6 | 64x8 18.8/18.8
+#                512: 132x16 37.0/37.5 | 132x8 39.7/39.9 | 64x16 43.8/42.8 | 64x8 47.0/46.6
+#               1024: 132x16 58.0/58.4 | 132x8 60.9/60.6 | 64x16 70.4/69.8 | 64x8 76.4/76.3
+#               4096: 132x16 181.5/181.1 | 132x8 184.4/183.6 | 64x16 227.1/228.7 | 64x8 251.3/252.0
+#   EP2 dispatch bf16 128: 132x16 16.4 | 64x16 16.6 | 64x8 17.2 | 132x8 17.8 (within noise: 64x8 kept)
+#                512: 64x8 31.8 | 132x8 32.1 | 132x16 32.7 | 64x16 32.9;  1024: 132x8 52.3 | 64x16 53.5
+#               4096: 132x8 175.7 | 132x16 176.5 | 64x16 181.9 | 64x8 187.6
+#   EP1 combine  128: 64x16 10.3/10.3 | 132x16 10.4/10.0 | 132x8 10.9/10.9;  4096: 132x16 51.1/51.4 | 132x8 67.0
+#   EP1 dispatch 128: 132x16 9.4 | 132x8 9.6 | 64x16 9.8 | 64x8 10.0;  4096: 132x16 40.3 | 132x8 44.4
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
