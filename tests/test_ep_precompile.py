@@ -1,5 +1,6 @@
 """``mori-jit precompile --ep ...`` builds exactly the binaries a live hip op asks for (fake toolchain),
-and the real compilers build every EP kernel for every dtype pair at the default geometries."""
+and the real compilers build every EP kernel for every dtype pair at the default geometries, and the
+combine at the edge geometries its sender's pass split was written for."""
 from __future__ import annotations
 
 import pytest
@@ -78,3 +79,28 @@ def test_real_compilers_build_every_ep_kernel(arch, compiler):
             built.add(spec.entry_name(c))
     # 4 dispatch dtypes + 2 combine dtypes at the default geometry
     assert len(built) == 6, sorted(built)
+
+
+@pytest.mark.parametrize("arch,compiler", [("sm_90a", "nvcc"), ("gfx90a", "hipcc")])
+def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
+    """The combine's sender splits a task over a pass count and a weights-per-thread count derived
+    from the block size: one wave (7 passes at hidden 7168), four waves (2 passes), and topk 32 on
+    one wave (two weights per thread) are paths the default geometries never instantiate."""
+    import dataclasses
+
+    try:
+        tc = make_toolchain(arch)
+    except ToolchainError as e:
+        pytest.skip(f"{compiler} not installed: {e}")
+    built = set()
+    for k, warps in ((8, 1), (8, 4), (32, 1)):
+        cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64,
+                                      num_experts_per_rank=32, num_experts_per_token=k, data_type=torch.bfloat16)
+        for spec, c in plan_requests(cfg, arch, 104):
+            if "combine" not in spec.entry_name(c):
+                continue
+            c = dataclasses.replace(c, blockNum=8, warpPerBlock=warps)
+            e = build(spec, c, tc)
+            assert spec.entry_name(c).encode() in e.binary.read_bytes()
+            built.add(spec.entry_name(c))
+    assert len(built) == 3, sorted(built)
