@@ -127,8 +127,10 @@ def _graph_job(rank, ws):
 
     gen = torch.Generator().manual_seed(7 + rank)
     dev = torch.device("cuda", rank)
-    m, hidden, k = 128, 7168, 8
-    for zero_copy in (False, True):
+    hidden, k = 7168, 8
+    # 128 tokens: one combine task per block; 1024: dedicated senders, and summers that claim ranges
+    # from a device counter, which every replay must find reset
+    for m, zero_copy in ((128, False), (128, True), (1024, False)):
         with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
             cfg = op.cfg
             sx, sw, sidx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
