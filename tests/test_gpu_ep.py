@@ -79,7 +79,7 @@ def _parity(op, ref_op, x, w, idx, out, out_w, out_idx, total, routing, y, y_w):
     torch.testing.assert_close(y_w, r_yw, rtol=1e-5, atol=1e-5)
 
 
-def _cfg(rank, ws, hidden, k, disp, comb, m, backend="hip"):
+def _cfg(rank, ws, hidden, k, disp, comb, m, backend="hip", **pins):
     from mori_jit.ops.ep import EpDispatchCombineConfig
 
     same = disp == comb
@@ -87,7 +87,7 @@ def _cfg(rank, ws, hidden, k, disp, comb, m, backend="hip"):
         rank=rank, world_size=ws, hidden_dim=hidden, max_num_inp_token_per_rank=m,
         num_experts_per_rank=max(1, 16 // ws), num_experts_per_token=k, data_type=disp,
         dispatch_data_type=None if same else disp, combine_data_type=None if same else comb,
-        kernel_backend=backend)
+        kernel_backend=backend, **pins)
 
 
 def _golden_job(rank, ws):
@@ -107,6 +107,13 @@ def _golden_job(rank, ws):
                                     (m, 0.0, ws - 1), (1, 0.0, None)):
                 _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5), drop=drop,
                        all_to=all_to, check_parity_with=ref)
+    # Small combine blocks: one wave (a sender task takes 7 passes at hidden 7168) and four waves
+    # (2 passes); 8 blocks, so 3 of them send and the summers claim ranges.
+    for warps in (1, 4):
+        with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, m, combine_block_num=8,
+                                      combine_warp_num_per_block=warps), None) as op:
+            for n in (m, 37, 0):
+                _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
 
 
 def _rounds_job(rank, ws):
