@@ -267,8 +267,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
 #pragma unroll
   for (int d = 0; d < kWs; ++d)
     if (d != rank) maxRanges = max(maxRanges, NumRanges(int(numTok[d])));
-  constexpr int kDests = kWs > 1 ? kWs - 1 : 1;
-  const int numTasks = kWs > 1 ? maxRanges * kDests : 0, senders = CombSenders(numTasks), grid = int(gridDim.x);
+  // (maxRanges is 0 on one rank: no peers)
+  const int numTasks = maxRanges * Sender<kCfg>::kDests, senders = CombSenders(numTasks), grid = int(gridDim.x);
   if (kWs > 1 && int(blockIdx.x) < senders && int(blockIdx.x) < numTasks) {  // one rank: no senders
     Sender<kCfg> sender(args, target, sendWeights, numTasks, senders);
     // Before the first store: comb_recv on a peer is free once its previous combine is done.
