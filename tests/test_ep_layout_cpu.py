@@ -3,14 +3,18 @@ decoding, and that choosing a backend imports only that backend."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from mori_jit.ops.ep.arena import ALIGN, layout
 from mori_jit.ops.ep.backend_hip import decode_error
 from mori_jit.ops.ep.cfg import EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EP_STAMP_WORDS, EpCfg, EpDType, region_bytes
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_layout_is_aligned_ordered_and_disjoint():
@@ -32,14 +36,23 @@ def test_every_region_has_a_size_and_an_offset_arg():
     assert list(sizes) == list(EP_REGIONS)
     args = EP_ARGS.names()
     assert [a for a in args if a.startswith("off_")] == [f"off_{r}" for r in EP_REGIONS]
-    # the asymmetric legs size their own buffers: fp8 rows are half the bf16 staging rows
-    assert sizes["disp_out"] * 2 == sizes["comb_stage"] == 2 * 64 * 7168 * 2
+    # the asymmetric legs size their own buffers: fp8 rows are half the bf16 rows combine receives
+    assert sizes["disp_out"] * 2 == sizes["comb_recv"] == 2 * 64 * 7168 * 2
     # combine's push targets are indexed by (source rank, token): world_size * M rows, whatever maxRecv
     big = region_bytes(dataclasses.replace(d, maxRecv=5 * 64), dataclasses.replace(c, maxRecv=5 * 64))
-    assert big["comb_stage"] == 5 * 64 * 7168 * 2
+    assert big["disp_out"] == 5 * 64 * 7168
     assert big["comb_recv"] == sizes["comb_recv"] == 2 * 64 * 7168 * 2
     assert big["comb_recv_wts"] == 2 * 64 * c.numExpertPerToken * 4
     assert big["comb_flags"] == big["src_to_recv"] == 2 * 64 * 8
+
+
+def test_every_arena_region_is_used_by_a_kernel():
+    """Symmetric memory is scarce: a region no kernel addresses (``off_<name>``) is dead weight.
+    (The combine's staging view was one, from the switch to the push combine until session 7.)"""
+    bodies = "".join((REPO / "kernels" / "ep" / f).read_text()
+                     for f in ("ep_common.hpp", "ep_dispatch.hpp", "ep_combine.hpp", "ep_intranode.hpp"))
+    unused = [r for r in EP_REGIONS if not re.search(rf"\boff_{r}\b", bodies)]
+    assert not unused, f"arena regions no kernel uses: {unused}"
 
 
 def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():

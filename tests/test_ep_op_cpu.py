@@ -235,14 +235,28 @@ def test_shipped_tuning_tables_are_well_formed(arch):
             assert launched == {(b, w) for _, b, w in buckets}, f"{kind} {dtype} {ws, hidden, k, epr}"
 
 
-def test_byte_range_overlap():
-    """The one overlap rule behind combine's out= refusal."""
-    from mori_jit.ops.ep.op import _overlap, _span
+def test_overlapping_outputs_are_refused_by_name():
+    """The one overlap rule behind combine's out= refusal: byte ranges, empty ones overlap nothing."""
+    from mori_jit.ops.ep.op import _refuse_overlaps, _span
 
-    assert _overlap((0, 10), (5, 15)) and _overlap((5, 15), (0, 10))
-    assert _overlap((0, 10), (2, 3)) and _overlap((2, 3), (0, 10))  # containment
-    assert not _overlap((0, 10), (10, 20)) and not _overlap((10, 20), (0, 10))  # adjacent
-    assert not _overlap((5, 5), (0, 10)) and not _overlap((0, 10), (5, 5))  # empty ranges
     base = torch.empty(64, dtype=torch.uint8)
-    assert _overlap(_span(base[8:16]), _span(base[15:20])) and not _overlap(_span(base[8:16]), _span(base[16:20]))
-    assert _span(None) == (0, 0) and not _overlap(_span(None), _span(base))
+    region = ("the arena", _span(base[48:64]))
+
+    def refused(out, inp=None, weights=None, out_w=None):
+        try:
+            _refuse_overlaps((("out", out), ("out_weights", out_w)), (("input", inp), ("weights", weights)), region)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    assert refused(base[8:16], inp=base[15:20]) == "out: overlaps input; pass a separate tensor"
+    assert refused(base[8:16], inp=base[16:20]) is None  # adjacent
+    assert refused(base[0:40], weights=base[10:12]) == "out: overlaps weights; pass a separate tensor"  # containment
+    assert refused(base[10:12], weights=base[0:40]) is not None
+    assert refused(base[40:50]) == "out: overlaps the arena; pass a separate tensor"
+    assert refused(base[40:48]) is None
+    assert refused(base[20:20], inp=base[0:40]) is None  # an empty output
+    assert refused(base[0:8], inp=base[4:4]) is None  # an empty input
+    assert refused(base[0:8], out_w=base[50:52]) == "out_weights: overlaps the arena; pass a separate tensor"
+    assert refused(None, inp=base, out_w=base[60:61]) is not None
+    assert _span(None) == (0, 0) and _span(base[8:16]) == (base.data_ptr() + 8, base.data_ptr() + 16)

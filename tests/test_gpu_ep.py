@@ -35,7 +35,7 @@ def _expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:
 def _poison(op):
     """Poison every dispatch output view (not the sync words), then make sure no peer is mid-write."""
     a = op.arena
-    for name in ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv", "comb_stage",
+    for name in ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv",
                  "comb_recv", "comb_recv_wts"):
         a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)  # NaN / -1 patterns
     torch.cuda.synchronize()
@@ -158,8 +158,9 @@ def _graph_job(rank, ws):
 
             if zero_copy:  # an output inside the symmetric arena is refused before anything launches
                 out, out_w, _, _, _, routing = op.dispatch(sx, sw, None, sidx, return_routing=True)
+                stage.copy_(out)
                 with pytest.raises(ValueError, match="out: overlaps the op's symmetric buffers"):
-                    op.combine(out, weights=out_w, routing=routing, out=stage[:m])
+                    op.combine(stage, weights=out_w, routing=routing, out=out[:m])
                 op.combine(out, weights=out_w, routing=routing)  # the collective round completes
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -196,6 +197,10 @@ def _combine_inputs_job(rank, ws):
         with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
             cfg = op.cfg
             stage = op.get_combine_input_buffer()
+            # one buffer for the op's life, outside the symmetric arena (only this rank reads it)
+            arena = op.arena.tensor
+            assert op.get_combine_input_buffer() is stage
+            assert stage.data_ptr() >= arena.data_ptr() + arena.nbytes or stage.data_ptr() + stage.nbytes <= arena.data_ptr()
             for i in range(9):
                 n = m if i % 4 == 0 else int(torch.randint(0, m + 1, (1,), generator=gen))
                 x, w, idx = make_inputs(rank, n, hidden, k, cfg.num_experts, BF16, dev, gen)

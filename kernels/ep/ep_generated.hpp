@@ -66,7 +66,6 @@ struct EpArgs {
   uint64_t off_recv_num;  // slot counters [2] i32, by epoch parity (peers add atomically)
   uint64_t off_total_recv;  // received rows of the last dispatch [1] i32 (local)
   uint64_t off_src_to_recv;  // slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)
-  uint64_t off_comb_stage;  // combine input view [maxRecv, combine tokenBytes] (local: an expert may write its output here)
   uint64_t off_comb_recv;  // combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)
   uint64_t off_comb_recv_wts;  // combine weights pushed by peers [ws, M, k] f32 (written by peers)
   uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range (written by peers)
@@ -93,14 +92,13 @@ static_assert(offsetof(EpArgs, off_tok_off) == 168, "EpArgs.off_tok_off moved");
 static_assert(offsetof(EpArgs, off_recv_num) == 176, "EpArgs.off_recv_num moved");
 static_assert(offsetof(EpArgs, off_total_recv) == 184, "EpArgs.off_total_recv moved");
 static_assert(offsetof(EpArgs, off_src_to_recv) == 192, "EpArgs.off_src_to_recv moved");
-static_assert(offsetof(EpArgs, off_comb_stage) == 200, "EpArgs.off_comb_stage moved");
-static_assert(offsetof(EpArgs, off_comb_recv) == 208, "EpArgs.off_comb_recv moved");
-static_assert(offsetof(EpArgs, off_comb_recv_wts) == 216, "EpArgs.off_comb_recv_wts moved");
-static_assert(offsetof(EpArgs, off_comb_flags) == 224, "EpArgs.off_comb_flags moved");
-static_assert(offsetof(EpArgs, off_xdb) == 232, "EpArgs.off_xdb moved");
-static_assert(offsetof(EpArgs, off_sync) == 240, "EpArgs.off_sync moved");
-static_assert(offsetof(EpArgs, off_stamps) == 248, "EpArgs.off_stamps moved");
-static_assert(sizeof(EpArgs) == 256, "EpArgs size changed");
+static_assert(offsetof(EpArgs, off_comb_recv) == 200, "EpArgs.off_comb_recv moved");
+static_assert(offsetof(EpArgs, off_comb_recv_wts) == 208, "EpArgs.off_comb_recv_wts moved");
+static_assert(offsetof(EpArgs, off_comb_flags) == 216, "EpArgs.off_comb_flags moved");
+static_assert(offsetof(EpArgs, off_xdb) == 224, "EpArgs.off_xdb moved");
+static_assert(offsetof(EpArgs, off_sync) == 232, "EpArgs.off_sync moved");
+static_assert(offsetof(EpArgs, off_stamps) == 240, "EpArgs.off_stamps moved");
+static_assert(sizeof(EpArgs) == 248, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

@@ -178,7 +178,6 @@ EP_REGIONS: dict[str, str] = {
     "recv_num": "slot counters [2] i32, by epoch parity (peers add atomically)",
     "total_recv": "received rows of the last dispatch [1] i32 (local)",
     "src_to_recv": "slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)",
-    "comb_stage": "combine input view [maxRecv, combine tokenBytes] (local: an expert may write its output here)",
     "comb_recv": "combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)",
     "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers)",
     "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range (written by peers)",
@@ -214,7 +213,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
     return {
         "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * 4,
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
-        "src_to_recv": ws * m * 8, "comb_stage": recv * EpTokenBytes(comb),
+        "src_to_recv": ws * m * 8,
         "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * 4, "comb_flags": ws * m * 8,
         "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": 8 * 8, "stamps": EP_STAMP_WORDS * 8,
     }

@@ -101,9 +101,20 @@ def _span(t: Optional[torch.Tensor]) -> tuple[int, int]:
     return start, start + t.nbytes
 
 
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    """Whether two byte ranges [start, end) are both non-empty and intersect."""
-    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
+def _refuse_overlaps(outputs: tuple, inputs: tuple, region: tuple[str, tuple[int, int]]) -> None:
+    """Raise ValueError naming the first output (``(name, tensor | None)``) whose bytes overlap an
+    input's (same form) or ``region`` (``(name, byte span)``). Empty ranges overlap nothing; touching
+    ranges do not overlap. Inlined int compares: it runs on every ``combine(out=)`` call."""
+    spans = [(name, start, start + t.nbytes) for name, t in inputs if t is not None for start in (t.data_ptr(),)]
+    spans.append((region[0], *region[1]))
+    for name, t in outputs:
+        if t is None:
+            continue
+        a = t.data_ptr()
+        b = a + t.nbytes
+        for what, s, e in spans:
+            if a < e and s < b and a < b and s < e:
+                raise ValueError(f"{name}: overlaps {what}; pass a separate tensor")
 
 
 class EpDispatchCombineOp(abc.ABC):
@@ -150,6 +161,11 @@ class EpDispatchCombineOp(abc.ABC):
         self.arena = SymmArena.create(regions, self.group, self.device) if regions else None
         self._arena_span = _span(self.arena.tensor if self.arena is not None else None)
         self._kernels = self._build_kernels(cfg, self.arena)
+        # What every call reads, resolved once: the config's properties cost a Python call each,
+        # and dispatch()/combine() have a host budget of a few microseconds.
+        self._id = id(self)
+        self._bucket = self._kernels.schedule.index
+        self._disp_dtype, self._comb_dtype, self._cap = cfg.dispatch_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._closed = False
 
     def close(self) -> None:
@@ -189,10 +205,12 @@ class EpDispatchCombineOp(abc.ABC):
 
     def _pick(self, num_tokens: int) -> int:
         """Bucket index for a token count: a lookup among already-compiled variants, never a compile."""
-        return self._kernels.schedule.index(num_tokens)
+        return self._bucket(num_tokens)
 
     def get_combine_input_buffer(self) -> torch.Tensor:
-        """A preallocated ``[recv_capacity, hidden]`` buffer (combine dtype) an expert may write into.
+        """A ``[recv_capacity, hidden]`` buffer (combine dtype) an expert may write into: the same
+        tensor on every call (the ``hip`` backend allocates it on the first, outside the symmetric
+        arena, so an op that never asks costs nothing).
 
         ``combine(buffer[:rows] or buffer, ...)`` reads it in place, as it reads any input (the
         ``hip`` backend has no staging copy), so it is a convenience: a static address for graph
@@ -214,7 +232,7 @@ class EpDispatchCombineOp(abc.ABC):
         valid, in arrival order; ``total_recv`` is a 1-element int32 device tensor (no host sync).
         """
         k = self._live()
-        cfg = self.cfg
+        cfg, dev = self.cfg, self.device
         if routing is not None:
             raise EpUnsupportedError("routing replay (dispatch(routing=...)) is not supported")
         if not isinstance(input, torch.Tensor):
@@ -222,15 +240,15 @@ class EpDispatchCombineOp(abc.ABC):
         n = input.shape[0] if input.dim() == 2 else -1
         if n > cfg.max_num_inp_token_per_rank:
             raise ValueError(f"input: {n} tokens exceed max_num_inp_token_per_rank={cfg.max_num_inp_token_per_rank}")
-        _expect("input", input, cfg.dispatch_dtype, (n, cfg.hidden_dim), self.device)
+        _expect("input", input, self._disp_dtype, (n, cfg.hidden_dim), dev)
         if weights is not None:
-            _expect("weights", weights, torch.float32, (n, cfg.num_experts_per_token), self.device)
+            _expect("weights", weights, torch.float32, (n, cfg.num_experts_per_token), dev)
         if scales is not None:
             if "scales" not in k.capabilities:
                 raise EpUnsupportedError("per-token scales are not supported by this backend")
-            _expect("scales", scales, scales.dtype, (n, cfg.scale_dim), self.device)
-        _expect("indices", indices, torch.int32, (n, cfg.num_experts_per_token), self.device)
-        res = k.dispatch(self._pick(n), input, weights, scales, indices)
+            _expect("scales", scales, scales.dtype, (n, cfg.scale_dim), dev)
+        _expect("indices", indices, torch.int32, (n, cfg.num_experts_per_token), dev)
+        res = k.dispatch(self._bucket(n), input, weights, scales, indices)
         return res if return_routing else res[:5]
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
@@ -247,31 +265,26 @@ class EpDispatchCombineOp(abc.ABC):
         even when it has no tokens of its own). Repeating a combine for the same dispatch is safe.
         """
         k = self._live()
-        cfg = self.cfg
-        if routing is None or getattr(routing, "op_id", None) not in (None, id(self)):
+        cfg, dev, dtype = self.cfg, self.device, self._comb_dtype
+        if routing is None or getattr(routing, "op_id", None) not in (None, self._id):
             raise ValueError("routing: expected the routing returned by this op's dispatch(return_routing=True)")
         if not isinstance(input, torch.Tensor) or input.dim() != 2:
             raise ValueError(f"input: expected a 2-D tensor [rows, {cfg.hidden_dim}]")
         rows = input.shape[0]
-        if rows > cfg.recv_capacity:
-            raise ValueError(f"input: {rows} rows exceed the receive capacity {cfg.recv_capacity}")
-        _expect("input", input, cfg.combine_dtype, (rows, cfg.hidden_dim), self.device)
+        if rows > self._cap:
+            raise ValueError(f"input: {rows} rows exceed the receive capacity {self._cap}")
+        _expect("input", input, dtype, (rows, cfg.hidden_dim), dev)
         if weights is not None:
-            _expect("weights", weights, torch.float32, (rows, cfg.num_experts_per_token), self.device)
+            _expect("weights", weights, torch.float32, (rows, cfg.num_experts_per_token), dev)
         n = routing.num_tokens
-        if out is not None:
-            _expect("out", out, cfg.combine_dtype, (n, cfg.hidden_dim), self.device)
-        if out_weights is not None:
-            if weights is None:
-                raise ValueError("out_weights: given without weights (there are no weights to combine)")
-            _expect("out_weights", out_weights, torch.float32, (n, cfg.num_experts_per_token), self.device)
         if out is not None or out_weights is not None:
+            if out is not None:
+                _expect("out", out, dtype, (n, cfg.hidden_dim), dev)
+            if out_weights is not None:
+                if weights is None:
+                    raise ValueError("out_weights: given without weights (there are no weights to combine)")
+                _expect("out_weights", out_weights, torch.float32, (n, cfg.num_experts_per_token), dev)
             # the kernel reads the inputs, and the peers the arena, while it writes the outputs
-            others = (("input", _span(input)), ("weights", _span(weights)),
-                      ("the op's symmetric buffers", self._arena_span))
-            for name, t in (("out", out), ("out_weights", out_weights)):
-                span = _span(t)
-                for what, other in others:
-                    if _overlap(span, other):
-                        raise ValueError(f"{name}: overlaps {what}; pass a separate tensor")
-        return k.combine(self._pick(n), input, weights, routing, out, out_weights)
+            _refuse_overlaps((("out", out), ("out_weights", out_weights)),
+                             (("input", input), ("weights", weights)), ("the op's symmetric buffers", self._arena_span))
+        return k.combine(self._bucket(n), input, weights, routing, out, out_weights)
