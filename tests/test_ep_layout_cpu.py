@@ -62,7 +62,7 @@ def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
     assert set(WAIT_MESSAGES) == set(WaitId)
     # the values are an ABI between kernels, host and recorded benchmark data
     assert [int(w) for w in WaitId] == [1, 2, 3]
-    assert (ErrCode.kErrTimeout, ErrCode.kErrShortInput) == (int.from_bytes(b"MORI", "big"), int.from_bytes(b"SHOR", "big"))
+    assert [int(c) for c in ErrCode] == [int.from_bytes(c, "big") for c in (b"MORI", b"SHOR", b"PSHR")]
     assert len(XdbRow) * EP_MAX_PEERS * 8 == region_bytes(EpCfg(worldSize=2), EpCfg(worldSize=2))["xdb"]
     assert max(Stamp) < EP_STAMP_WORDS and len(set(Stamp)) == len(Stamp.__members__)
 
@@ -76,6 +76,9 @@ def test_device_errors_decode_to_which_wait_which_rank_which_peer():
     assert "from rank 0 timed out" in decode_error(ranges, 1)
     short = [0x53484F52, 1 << 16, (100 << 32) | 60, 0]
     assert "rank 1: combine input had 60 rows but dispatch received 100" in decode_error(short, 1)
+    peer_short = [0x50534852, (0 << 32) | (1 << 16), 38, 0]
+    msg = decode_error(peer_short, 1)
+    assert "rank 1: rank 0's combine input was short" in msg and "from token 38 on" in msg and "is wrong" in msg
     assert "unknown device error" in decode_error([5, 0, 0, 0], 0)
 
 

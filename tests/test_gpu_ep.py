@@ -226,17 +226,28 @@ def _combine_inputs_job(rank, ws):
                 golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, x, w, idx, out, out_w,
                              out_idx, total, routing.recv_src, y, y_w)
             op.check()
-            if m == 40:  # a short input on rank 0: reported (nothing read past it), then reset() recovers
+            if m == 40:  # a short input on rank 0: reported there (nothing read past it) and on every
+                # rank whose tokens lost rows by it (no silent wrong sums), then reset() recovers
                 from mori_jit.ops.ep import EpDeviceError
                 x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
                 out, out_w, _, _, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
                 t = total.item()
-                rows = max(0, t - 3) if rank == 0 else t
+                rows = t // 2 if rank == 0 else t
+                lost = torch.zeros(ws, dtype=torch.int32, device=dev)  # by source rank of a dropped row
+                if rank == 0:
+                    lost[(routing.recv_src[rows:t].long() // cfg.max_num_inp_token_per_rank).unique()] = 1
+                    assert ws == 1 or lost[1:].any(), "the short input must drop some peer's rows"
+                torch.distributed.broadcast(lost, 0)
                 op.combine(out[:rows].clone(), weights=out_w[:rows].clone(), routing=routing)
                 torch.cuda.synchronize()
                 if rank == 0:
                     with pytest.raises(EpDeviceError, match=f"rank 0: combine input had {rows} rows but dispatch received {t}"):
                         op.check()
+                elif lost[rank]:
+                    with pytest.raises(EpDeviceError, match=f"rank {rank}: rank 0's combine input was short"):
+                        op.check()
+                else:
+                    op.check()  # none of this rank's tokens went to rank 0's dropped rows: its sum is whole
                 op.reset()  # collective
                 _round(op, cfg, rank, ws, gen, m)
                 op.check()

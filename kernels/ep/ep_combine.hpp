@@ -10,6 +10,13 @@ namespace mori::ep {
 constexpr int kRangeTok = 2;
 MORI_DEVICE int NumRanges(int n) { return (n + kRangeTok - 1) / kRangeTok; }
 
+// A range-ready flag's value: 2 * the combine epoch, + 1 when the sender's input was too short to
+// hold some of the range's rows (they were not sent). The home rank then sums those tokens without
+// them and must say so: the flag carries that news, ordered with the rows, at no extra store.
+MORI_DEVICE constexpr uint64_t RangeFlag(uint64_t target, bool shortInput) { return 2 * target + shortInput; }
+// TaskSlot's mark for a token routed here whose row lies beyond a short input.
+constexpr int kShortSlot = -2;
+
 // How this rank's blocks split the work (a local choice: peers only see flags). With at most one
 // send task per block, every block sends its task, then sums. With more, blocks [0, senders) send
 // while the rest sum, and the senders join the summing when their pushes are done (see the end of
@@ -71,13 +78,15 @@ struct Sender {
   }
   MORI_DEVICE int Dest(int q) const { return (args.rank + 1 + q % kDests) % kWs; }
   // Lane i < kRangeTok: this rank's row of token t0 + i of task q's peer; -1 if that token was not
-  // routed here this epoch (or lies beyond a short input, which the host is told about) or the
-  // task is empty. Loaded two tasks ahead, so the latency stays off the copy's path.
+  // routed here this epoch or the task is empty, kShortSlot if its row lies beyond a short input
+  // (this rank's host is told by block 0, the peer by the range flag). Loaded two tasks ahead, so
+  // the latency stays off the copy's path.
   MORI_DEVICE int TaskSlot(int q) const {
     const int lane = plat::lane_id(), d = Dest(q), t = q / kDests * kRangeTok + lane;
     if (lane >= kRangeTok || q >= numTasks || t >= kM) return -1;
     const uint64_t e = srcToRecv[d * kM + t];  // issued without waiting for numTok: both are loads
-    return t < int(numTok[d]) && uint32_t(e >> 32) == dispTag && int(uint32_t(e)) < args.inpRows ? int(uint32_t(e)) : -1;
+    const int slot = int(uint32_t(e));
+    return t >= int(numTok[d]) || uint32_t(e >> 32) != dispTag ? -1 : slot < args.inpRows ? slot : kShortSlot;
   }
   MORI_DEVICE static Slots Spread(int slot) {  // every thread gets the task's slots (wave shuffles)
     Slots r;
@@ -132,6 +141,9 @@ struct Sender {
         StorePass(pass, dst, dstW);
       }
     }
+    bool shortInput = false;
+#pragma unroll
+    for (int i = 0; i < kRangeTok; ++i) shortInput |= cur.s[i] == kShortSlot;
     // The next task's first loads reuse the registers the stores above have already read.
     cur = Spread(nextSlot);
     nextSlot = TaskSlot(q + 2 * stride);
@@ -139,7 +151,8 @@ struct Sender {
     if (!live) return;
     if constexpr (plat::kFenceEveryWave) plat::fence_system();
     __syncthreads();  // the release below is cumulative over the block's stores
-    if (threadIdx.x == 0) plat::store_release_system(At<uint64_t>(args, d, args.off_comb_flags) + rank * kM + b, target);
+    if (threadIdx.x == 0)
+      plat::store_release_system(At<uint64_t>(args, d, args.off_comb_flags) + rank * kM + b, RangeFlag(target, shortInput));
   }
 };
 
@@ -162,8 +175,12 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   int nextFlat = wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1;
   // One poller per peer and block (a poller per wave measured slower: the polls load the memory
   // system the senders use).
-  if (threadIdx.x < kWs && threadIdx.x != rank)
-    WaitAtLeast(args, flags + threadIdx.x * kM + b, target, kWaitCombineRange, threadIdx.x);
+  if (threadIdx.x < kWs && threadIdx.x != rank) {
+    const uint64_t seen = WaitAtLeast(args, flags + threadIdx.x * kM + b, RangeFlag(target, false), kWaitCombineRange,
+                                      threadIdx.x);
+    if (seen == RangeFlag(target, true))  // the peer's rows of some of these tokens were never sent
+      RecordError(args, kErrPeerShortInput, (uint64_t(threadIdx.x) << 32) | (uint64_t(rank) << 16), uint64_t(t0));
+  }
   __syncthreads();  // the acquire loads above, then the barrier, order every thread's loads below
   if constexpr (plat::kFenceEveryWave) plat::fence_system();
   if (b == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
@@ -253,13 +270,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     StampAt(args, kStCombStart);
     const int total = *At<int>(args, rank, args.off_total_recv);
-    if (total > args.inpRows) {  // the rows beyond the caller's tensor are skipped; tell the host
-      volatile uint64_t* err = args.errWord;
-      err[1] = (uint64_t(rank) << 16);
-      err[2] = (uint64_t(total) << 32) | uint32_t(args.inpRows);
-      plat::fence_system();
-      err[0] = kErrShortInput;
-    }
+    if (total > args.inpRows)  // the rows beyond the caller's tensor are skipped; tell the host
+      RecordError(args, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(args.inpRows));
   }
 
   const uint64_t* numTok = XdbFlags(args, rank, kXdbNumTok);  // each peer's dispatch n (its ranges)

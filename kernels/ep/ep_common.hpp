@@ -26,21 +26,29 @@ MORI_DEVICE uint64_t* XdbFlags(const EpArgs& a, int pe, int row) {
   return At<uint64_t>(a, pe, a.off_xdb) + row * kMaxPeers;
 }
 
-// Spin until *flag >= target; false (and an error recorded) after args.timeoutNs.
-MORI_DEVICE bool WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t target, WaitId wait, int peer) {
-  if (plat::load_acquire_system(flag) >= target) return true;
+// Record a device error for the host (words: code, detail, extra). Not atomic: when several
+// threads fail at once, the host sees one of them.
+MORI_DEVICE void RecordError(const EpArgs& a, ErrCode code, uint64_t detail, uint64_t extra) {
+  volatile uint64_t* err = a.errWord;
+  err[1] = detail;
+  err[2] = extra;
+  plat::fence_system();
+  err[0] = code;
+}
+
+// Spin until *flag >= target; returns the value seen, which is below target only after
+// args.timeoutNs (the timeout is recorded).
+MORI_DEVICE uint64_t WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t target, WaitId wait, int peer) {
+  uint64_t v = plat::load_acquire_system(flag);
+  if (v >= target) return v;
   const uint64_t t0 = plat::now_ns();
-  while (plat::load_acquire_system(flag) < target) {
+  while ((v = plat::load_acquire_system(flag)) < target) {
     if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      volatile uint64_t* err = a.errWord;
-      err[1] = (uint64_t(wait) << 48) | (uint64_t(peer) << 32) | (uint64_t(a.rank) << 16);
-      err[2] = target;
-      plat::fence_system();
-      err[0] = kErrTimeout;
-      return false;
+      RecordError(a, kErrTimeout, (uint64_t(wait) << 48) | (uint64_t(peer) << 32) | (uint64_t(a.rank) << 16), target);
+      return v;
     }
   }
-  return true;
+  return v;
 }
 
 // True in exactly one block: the last one to arrive at counter `word` (which it resets).

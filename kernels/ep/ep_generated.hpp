@@ -10,7 +10,7 @@ enum class EpDType : int { Bf16 = 0, Fp32 = 1, Fp8 = 2, Fp4x2 = 3 };
 // Which spin-wait timed out (the high bits of the error detail word).
 enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineDone = 2, kWaitCombineRange = 3 };
 // Device error codes (word 0 of the host-mapped error words; 0 = no error).
-enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52 };
+enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52, kErrPeerShortInput = 0x50534852 };
 // Rows of the cross-device `xdb` region, each indexed by the writing rank.
 enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1, kXdbNumTok = 2 };
 // Phase-timestamp slots of the `stamps` region (globaltimer ns of the last call).
@@ -68,7 +68,7 @@ struct EpArgs {
   uint64_t off_src_to_recv;  // slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)
   uint64_t off_comb_recv;  // combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)
   uint64_t off_comb_recv_wts;  // combine weights pushed by peers [ws, M, k] f32 (written by peers)
-  uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range (written by peers)
+  uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers)
   uint64_t off_xdb;  // cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count
   uint64_t off_sync;  // local sync words [8] u64: block counters and device-side epochs
   uint64_t off_stamps;  // phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)

@@ -55,6 +55,11 @@ def decode_error(words: list[int], rank: int) -> str:
     if code == ErrCode.kErrShortInput:
         return (f"rank {(detail >> 16) & 0xFFFF}: combine input had {extra & 0xFFFFFFFF} rows but dispatch "
                 f"received {extra >> 32}; the missing rows were not combined")
+    if code == ErrCode.kErrPeerShortInput:
+        who, peer = (detail >> 16) & 0xFFFF, detail >> 32
+        return (f"rank {who}: rank {peer}'s combine input was short (that rank reports its row counts), so "
+                f"tokens of rank {who} from token {extra} on were summed without rank {peer}'s rows: this "
+                f"combine's output on rank {who} is wrong")
     return f"unknown device error code {code:#x} (detail {detail:#x})"
 
 

@@ -67,6 +67,7 @@ class ErrCode(_U64Const):
 
     kErrTimeout = 0x4D4F5249  # "MORI": a spin-wait gave up after the timeout
     kErrShortInput = 0x53484F52  # "SHOR": the combine input has fewer rows than were received
+    kErrPeerShortInput = 0x50534852  # "PSHR": a peer's short combine input left some of our tokens without its rows
 
 
 class XdbRow(CConst):
@@ -180,7 +181,7 @@ EP_REGIONS: dict[str, str] = {
     "src_to_recv": "slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)",
     "comb_recv": "combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)",
     "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers)",
-    "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range (written by peers)",
+    "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers)",
     "xdb": "cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count",
     "sync": "local sync words [8] u64: block counters and device-side epochs",
     "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
