@@ -260,3 +260,26 @@ def test_overlapping_outputs_are_refused_by_name():
     assert refused(base[0:8], out_w=base[50:52]) == "out_weights: overlaps the arena; pass a separate tensor"
     assert refused(None, inp=base, out_w=base[60:61]) is not None
     assert _span(None) == (0, 0) and _span(base[8:16]) == (base.data_ptr() + 8, base.data_ptr() + 16)
+
+
+def test_combine_outputs_are_fresh_contiguous_and_shaped():
+    """combine()'s allocating path: empty_like of zero-stride templates must give new, contiguous
+    [n, hidden] / [n, k] tensors (never a view of a template, never one shared between calls)."""
+    from mori_jit.ops.ep.backend_hip import CombineOutputs
+
+    fresh = CombineOutputs(torch.bfloat16, 7168, 8, torch.device("cpu"))
+    seen, held = set(), []  # held: live outputs, so no later call may reuse their memory
+    for n in (5, 5, 0, 1, 300, 5):
+        y, w = fresh.y(n), fresh.w(n)
+        assert (y.shape, y.dtype, w.shape, w.dtype) == ((n, 7168), torch.bfloat16, (n, 8), torch.float32)
+        assert y.is_contiguous() and w.is_contiguous()
+        if n:
+            assert y.stride() == (7168, 1) and w.stride() == (8, 1)
+            y.fill_(1), w.fill_(2)  # every element is its own (a zero-stride view would not hold these)
+            assert y.sum(dtype=torch.float32).item() == n * 7168 and w.sum().item() == 2 * n * 8
+            assert y.data_ptr() not in seen
+            seen.add(y.data_ptr())
+            held.append((y, w))
+    for n in range(CombineOutputs._MAX_CACHED + 10):  # the template cache stays bounded
+        fresh.y(n)
+    assert len(fresh._like) <= CombineOutputs._MAX_CACHED

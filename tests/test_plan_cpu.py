@@ -132,6 +132,23 @@ def test_args_struct_fast_path_and_positional_struct():
         plan.launch(s, n=3)
 
 
+def test_bound_struct_launch_sees_each_rewrite_and_checks_the_layout_once():
+    rt = RecordingRuntime()
+    plan = _plan(AXPY, AxpyCfg(), rt)
+    s = plan.args(x=16, y=32, a=1.0, n=3)
+    launch = plan.bind_struct(s)
+    launch()
+    s.n, s.a = 7, -0.5  # rewritten in place: the next call launches the new values
+    launch()
+    assert [r[-1] for r in rt.launches] == [_oracle(AXPY.args, x=16, y=32, a=1.0, n=3),
+                                            _oracle(AXPY.args, x=16, y=32, a=-0.5, n=7)]
+    with pytest.raises(TypeError, match="different layout"):
+        plan.bind_struct(SWAPPED.ctype())
+    del s  # the callable keeps its struct alive
+    launch()
+    assert rt.launches[-1][-1] == _oracle(AXPY.args, x=16, y=32, a=-0.5, n=7)
+
+
 def test_unknown_and_missing_fields_name_the_valid_ones():
     rt = RecordingRuntime()
     plan = _plan(AXPY, AxpyCfg(), rt)

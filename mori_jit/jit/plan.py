@@ -33,7 +33,7 @@ before anything is enqueued (except a driver rejection, which enqueues nothing e
 
 Thread safety: ``prepare`` is thread-safe. ``launch(**fields)`` reuses one struct per plan (per
 group), so one plan must not be launched from two threads at once; give each thread its own
-``plan.args()`` and use :meth:`Plan.launch_struct` instead.
+``plan.args()`` and use :meth:`Plan.launch_struct` (or :meth:`Plan.bind_struct`) instead.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import operator
 import struct as _struct
 import sys
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .args import ArgsSchema
 from .compile import build
@@ -379,11 +379,26 @@ class Plan:
         self._launch(self._stream(), self._kp_addr)
 
     def launch_struct(self, struct: Any) -> None:
-        """Launch with an already packed struct (from :meth:`args`): the fastest path."""
+        """Launch with an already packed struct (from :meth:`args`)."""
         if type(struct) is not self._ctype:
             _check_struct_type(struct, self.layout, self.schema.size, self.name)
         self._kp_user[0] = ctypes.addressof(struct)
         self._launch(self._stream(), self._kp_user_addr)
+
+    def bind_struct(self, struct: Any) -> Callable[[], None]:
+        """A zero-argument launch of this kernel with ``struct``, the fastest path: the struct is
+        checked and its address captured once, so each call is the stream lookup and the driver
+        call. Rewrite the struct's fields between calls (the driver copies them at each launch).
+        The callable keeps ``struct`` alive."""
+        if type(struct) is not self._ctype:
+            _check_struct_type(struct, self.layout, self.schema.size, self.name)
+        kp = (ctypes.c_void_p * 1)(ctypes.addressof(struct))
+        kp_addr, launch, stream = ctypes.addressof(kp), self._launch, self._stream
+
+        def launch_bound() -> None:
+            launch(stream(), kp_addr)
+        launch_bound.struct, launch_bound.params = struct, kp  # type: ignore[attr-defined]  (kept alive)
+        return launch_bound
 
 
 _PLANS: dict[tuple, Plan] = {}
