@@ -1,0 +1,107 @@
+"""Where the host time of the EP op's ``dispatch()``/``combine()`` goes (one GPU, world size 1).
+
+Times each piece of the Python launch path on its own, median and 10th percentile of ``--reps``
+calls (the GPU is synced every 64 calls, so the launch queue never fills): tensor allocation
+(``torch.empty``, ``new_empty``, the op's :class:`CombineOutputs`), argument validation, the
+backend's launch (``op.kernels``: args struct + driver call), the driver's ``cuLaunchKernel`` alone
+(cuda-bindings and ctypes), and the whole ``op.dispatch``/``op.combine`` calls. Two rounds, as the
+device VM's host speed drifts between phases (``docs/PERF.md``, session 7).
+
+    CUDA_VISIBLE_DEVICES=0 python3 scripts/profile_ep_host.py [--tokens 128] [--reps 3000]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from ep_dist import run_distributed  # noqa: E402
+
+
+def _timer(reps: int):
+    def t(name, fn):
+        xs = []
+        for i in range(reps):
+            if i % 64 == 0:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            xs.append(time.perf_counter() - t0)
+        xs.sort()
+        print(f"{name:32s} median {statistics.median(xs) * 1e6:6.2f} us  p10 {xs[reps // 10] * 1e6:6.2f}", flush=True)
+    return t
+
+
+def _job(rank, ws, n, reps):
+    from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
+    from mori_jit.ops.ep import op as opmod
+    from mori_jit.ops.ep.backend_hip import CombineOutputs
+
+    dev = torch.device("cuda", 0)
+    hidden, k = 7168, 8
+    cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=hidden, max_num_inp_token_per_rank=n,
+                                  num_experts_per_rank=256, num_experts_per_token=k, data_type=torch.bfloat16)
+    with EpDispatchCombineOp(cfg) as op:
+        x = torch.randn(n, hidden, device=dev).bfloat16()
+        w = torch.rand(n, k, device=dev)
+        idx = torch.stack([torch.randperm(256)[:k] for _ in range(n)]).int().to(dev)
+        r = op.dispatch(x, w, None, idx, return_routing=True)
+        inp = op.get_combine_input_buffer()
+        y = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
+        yw = torch.empty(n, k, device=dev)
+        ks, v = op.kernels, op._pick(n)
+        fresh = CombineOutputs(torch.bfloat16, hidden, k, dev)
+        op.combine(inp, weights=r[1], routing=r[5], out=y, out_weights=yw)  # fills the combine's args struct,
+        torch.cuda.synchronize()  # which the bare driver launches below reuse
+        op.check()
+        # the bound launch of this bucket's combine (a closure variable of the backend's combine)
+        cells = dict(zip(ks.combine.__code__.co_freevars, (c.cell_contents for c in ks.combine.__closure__)))
+        bound = cells["comb_launch"][v]
+        bc = dict(zip(bound.__code__.co_freevars, (c.cell_contents for c in bound.__closure__)))
+        kp_addr, launch, stream = bc["kp_addr"], bc["launch"], bc["stream"]
+        lc = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__)))
+        from cuda.bindings import driver as drv
+        st = stream()
+        cs, fn = drv.CUstream(st), lc["fn"]
+        cl = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        cl.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        cl.restype = ctypes.c_int
+        fint, gx, bx, shm = int(fn), lc["gx"], lc["bx"], lc["shm"]
+        t = _timer(reps)
+        for rnd in range(2):
+            print(f"--- round {rnd}")
+            t("torch.empty", lambda: torch.empty((n, hidden), dtype=torch.bfloat16, device=dev))
+            t("new_empty", lambda: y.new_empty((n, hidden)))
+            t("CombineOutputs.y", lambda: fresh.y(n))
+            t("_expect (one tensor)", lambda: opmod._expect("input", inp, torch.bfloat16, (inp.shape[0], hidden), dev))
+            t("driver launch (cuda-bindings)", lambda: drv.cuLaunchKernel(fn, gx, 1, 1, bx, 1, 1, shm, cs, kp_addr, 0))
+            t("driver launch (ctypes)", lambda: cl(fint, gx, 1, 1, bx, 1, 1, shm, st, kp_addr, None))
+            t("bound launch", bound)
+            t("kernels.combine (out=)", lambda: ks.combine(v, inp, r[1], r[5], y, yw))
+            t("op.combine (out=)", lambda: op.combine(inp, weights=r[1], routing=r[5], out=y, out_weights=yw))
+            t("op.combine (allocating)", lambda: op.combine(inp, weights=r[1], routing=r[5]))
+            t("kernels.dispatch", lambda: ks.dispatch(v, x, w, None, idx))
+            t("op.dispatch", lambda: op.dispatch(x, w, None, idx, return_routing=True))
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3000)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_ep_host: needs a GPU", file=sys.stderr)
+        return 2
+    run_distributed(_job, 1, args.tokens, args.reps, timeout=300, backend="nccl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
