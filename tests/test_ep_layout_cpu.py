@@ -74,6 +74,7 @@ def test_device_errors_decode_to_which_wait_which_rank_which_peer():
     ranges = [0x4D4F5249, (3 << 48) | (0 << 32) | (1 << 16), 9, 0]
     assert "rank 1: combine: waiting for a peer's rows of a token range" in decode_error(ranges, 1)
     assert "from rank 0 timed out" in decode_error(ranges, 1)
+    assert "never reached 10 = 2 x combine epoch 5" in decode_error([0x4D4F5249, (3 << 48) | (1 << 16), 10, 0], 1)
     short = [0x53484F52, 1 << 16, (100 << 32) | 60, 0]
     assert "rank 1: combine input had 60 rows but dispatch received 100" in decode_error(short, 1)
     peer_short = [0x50534852, (0 << 32) | (1 << 16), 38, 0]

@@ -50,8 +50,10 @@ def decode_error(words: list[int], rank: int) -> str:
     code, detail, extra = words[0], words[1], words[2]
     if code == ErrCode.kErrTimeout:
         wait, peer, who = detail >> 48, (detail >> 32) & 0xFFFF, (detail >> 16) & 0xFFFF
+        # a range flag counts 2 per combine (its low bit carries a short input)
+        goal = f"{extra} = 2 x combine epoch {extra // 2}" if wait == WaitId.kWaitCombineRange else f"{extra}"
         return (f"rank {who}: {WAIT_MESSAGES.get(wait, f'wait {wait}')} from rank {peer} timed out after "
-                f"MORI_EP_TIMEOUT_S (flag never reached {extra}); a peer skipped or is stuck in a collective")
+                f"MORI_EP_TIMEOUT_S (flag never reached {goal}); a peer skipped or is stuck in a collective")
     if code == ErrCode.kErrShortInput:
         return (f"rank {(detail >> 16) & 0xFFFF}: combine input had {extra & 0xFFFFFFFF} rows but dispatch "
                 f"received {extra >> 32}; the missing rows were not combined")
