@@ -37,3 +37,21 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
     assert "pull_both 370" in md and "floor: 1-kernel graph | 4.5" in md
     assert "host overhead | 9.0 | 14.0 | (out=: 8.5)" in md
     assert (tmp_path / "r.md").read_text().strip() == md.strip()
+
+
+def test_gpu_scripts_import_and_refuse_cleanly_without_enough_gpus(capsys):
+    """The device-only scripts load (imports, argument parsing) on a CPU machine and exit 2 with a
+    one-line reason instead of a traceback."""
+    import pytest
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs: the scripts would run for real")
+    for name, args in (("profile_ep_host", ["--tokens", "8", "--reps", "10"]), ("probe_link_rates", ["--mib", "1"])):
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        if name == "profile_ep_host" and torch.cuda.is_available():
+            continue  # one GPU: this one would run
+        assert mod.main(args) == 2
+        assert f"{name}: needs" in capsys.readouterr().err

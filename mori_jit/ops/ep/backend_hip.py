@@ -87,9 +87,11 @@ class CombineOutputs:
         return t
 
     def y(self, n: int) -> torch.Tensor:
+        """A new, uninitialized, contiguous ``[n, hidden]`` tensor of the combine dtype."""
         return torch.empty_like((self._like.get(n) or self._templates(n))[0])
 
     def w(self, n: int) -> torch.Tensor:
+        """A new, uninitialized, contiguous ``[n, k]`` float32 tensor."""
         return torch.empty_like((self._like.get(n) or self._templates(n))[1])
 
 
