@@ -234,8 +234,7 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 st["r"] = op.dispatch(sx, sw, None, sidx, return_routing=True)
 
             def comb_copy(i):
-                # the expert output is a fresh tensor, as a real expert's GEMM writes (passing the
-                # dispatch output itself, which lies in the arena, makes the kernel stage every row)
+                # the expert output is a fresh tensor, as a real expert's GEMM writes
                 o = st["r"]
                 op.combine(staging_src, weights=o[1], routing=o[5])
 

@@ -23,7 +23,8 @@
 // Combine (gather by push, pipelined): the rows a rank's experts produced go back to their tokens'
 // home ranks. A sender task is one range of kRangeTok tokens of one peer, walked in token order
 // (src_to_recv gives each token's row here): it pushes the rows (and weights) into the peer's
-// comb_recv[source rank, token] and raises that range's flag there with a release store. A task's
+// comb_recv[source rank, token] and raises that range's flag there with a release store (its low
+// bit set if the sender's input was too short for some of the rows: the home rank reports it). A task's
 // rows are spread flat over the block's threads, and the next task's loads are issued right after
 // this task's stores. A summer claims the next range of its own tokens from a counter, waits for
 // every peer's flag of it, then sums each token's rows in fp32: its own straight from the input,

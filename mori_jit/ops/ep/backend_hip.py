@@ -204,6 +204,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             torch.cuda.synchronize(dev)  # no kernel may still write the error words or the arena
             err, stage = torch.empty(0), None
 
-        return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule, stages_in_kernel=False,
-                         self_resets_counters=True, capabilities=frozenset({"graph", "zero_copy_combine"}),
+        return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
+                         capabilities=frozenset({"graph", "zero_copy_combine"}),
                          check=check, reset=reset, staging_view=staging_view, close=close)

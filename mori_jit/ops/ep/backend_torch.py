@@ -49,5 +49,4 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             return y, y_w
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
-                         stages_in_kernel=False, self_resets_counters=True,
                          capabilities=frozenset({"scales", "gloo", "nccl"}))

@@ -48,9 +48,7 @@ class KernelSet:
     dispatch: Callable[..., tuple]
     combine: Callable[..., tuple]
     schedule: Schedule
-    stages_in_kernel: bool  # combine copies the expert output into a staging buffer inside the kernel
-    self_resets_counters: bool  # no host work between rounds (graph-capturable)
-    capabilities: frozenset[str]
+    capabilities: frozenset[str]  # e.g. "graph": no host work between rounds, so a step can be captured
     check: Callable[[], None] = lambda: None
     reset: Callable[[], None] = lambda: None
     staging_view: Optional[Callable[[], torch.Tensor]] = None
