@@ -169,18 +169,24 @@ PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDis
           ("gap: disp end -> comb start", Stamp.kStCombStart, Stamp.kStDispEnd),
           ("comb: first range's rows all here", Stamp.kStCombFirstRange, Stamp.kStCombStart),
           ("comb: last sender done", Stamp.kStCombSent, Stamp.kStCombStart),
+          ("comb: last summer saw its flags", Stamp.kStCombFlagsSeen, Stamp.kStCombStart),
           ("comb: last summer done", Stamp.kStCombSummed, Stamp.kStCombStart),
           ("comb: end (done flags sent)", Stamp.kStCombEnd, Stamp.kStCombStart)]
 
 
-def _phase_profile(op, g_disp, g_comb, reps: int = 15) -> dict:
-    """Median phase times of single replays, from the kernels' globaltimer stamps."""
+def _phase_profile(op, g_disp, g_comb, reps: int = 15, queued: bool = False) -> dict:
+    """Median phase times from the kernels' globaltimer stamps: of single replays after a barrier
+    (each rank's start skewed by its host's launch), or, ``queued``, of the last of 8 back-to-back
+    pairs queued behind a GPU sleep (the ranks in the lockstep the timed loops run in)."""
     a = op.arena
     stamps = a.tensor[a.offsets["stamps"]:a.offsets["stamps"] + EP_STAMP_WORDS * 8].view(torch.int64)
     rows = []
     for _ in range(reps):
         dist.barrier()
-        g_disp.replay(), g_comb.replay()
+        if queued:
+            torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+        for _ in range(8 if queued else 1):
+            g_disp.replay(), g_comb.replay()
         torch.cuda.synchronize()
         rows.append(stamps.tolist())
     return {label: statistics.median((r[i] - r[j]) / 1e3 for r in rows) for label, i, j in PHASES}
@@ -275,6 +281,7 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 d_us, c_us = _time_pairs(lambda i: gd.replay(), lambda i: gz.replay(), args.iters, rotate)
                 res["hip_graph_zerocopy"] = {"dispatch_us": d_us, "combine_us": c_us}
                 res["phases_us"] = _phase_profile(op, gd, gz)
+                res["phases_queued_us"] = _phase_profile(op, gd, gz, queued=True)
                 # the method's floor: a one-kernel graph (1-element add) timed the same way
                 z = torch.zeros(1, device=dev)
                 g0 = torch.cuda.CUDAGraph()
@@ -377,9 +384,10 @@ def report(path: str) -> str:
                 f"{100 * b['dispatch_remote'] / d / 1e3 / ceil:.0f} | {100 * b['combine_remote'] / c / 1e3 / ceil:.0f} | "
                 + (f"{t['dispatch_us'] / d:.2f} | {t['combine_us'] / c:.2f} |" if t else "– | – |")
                 + (f" {a['dispatch_us'] / d:.2f} | {a['combine_us'] / c:.2f} |" if a else " – | – |"))
-        if "phases_us" in r:
-            lines.append(f"| {r['leg']} | {r['tokens']} | phases (µs from kernel start) | "
-                         + "; ".join(f"{k} {v:.1f}" for k, v in r["phases_us"].items()) + " | | | | | | | | | |")
+        for key, what in (("phases_us", "phases"), ("phases_queued_us", "phases, queued")):
+            if key in r:
+                lines.append(f"| {r['leg']} | {r['tokens']} | {what} (µs from kernel start) | "
+                             + "; ".join(f"{k} {v:.1f}" for k, v in r[key].items()) + " | | | | | | | | | |")
         if "graph_floor_us" in r:
             lines.append(f"| {r['leg']} | {r['tokens']} | floor: 1-kernel graph | {r['graph_floor_us']:.1f} | | | | | | | | |")
         if "host_overhead_us" in r:

@@ -68,9 +68,11 @@ def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
 
 
 def test_device_errors_decode_to_which_wait_which_rank_which_peer():
-    timeout = [0x4D4F5249, (1 << 48) | (1 << 32) | (0 << 16), 7, 0]
+    timeout = [0x4D4F5249, (1 << 48) | (1 << 32) | (0 << 16), 7 << 20, 0]
     msg = decode_error(timeout, 0)
-    assert "rank 0: dispatch" in msg and "from rank 1 timed out" in msg and "never reached 7" in msg
+    assert "rank 0: dispatch" in msg and "from rank 1 timed out" in msg
+    assert f"never reached {7 << 20} = {1 << 20} x dispatch epoch 7" in msg
+    assert "never reached 7)" in decode_error([0x4D4F5249, (2 << 48) | (1 << 32), 7, 0], 0)  # combine-done
     ranges = [0x4D4F5249, (3 << 48) | (0 << 32) | (1 << 16), 9, 0]
     assert "rank 1: combine: waiting for a peer's rows of a token range" in decode_error(ranges, 1)
     assert "from rank 0 timed out" in decode_error(ranges, 1)

@@ -184,6 +184,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   __syncthreads();  // the acquire loads above, then the barrier, order every thread's loads below
   if constexpr (plat::kFenceEveryWave) plat::fence_system();
   if (b == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
+  if (threadIdx.x == 0) plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombFlagsSeen, plat::now_ns());
   for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
     const int t = t0 + item / kChunks, chunk = item % kChunks, flat = nextFlat;
     const int next = item + kCfg.warpPerBlock;
@@ -315,7 +316,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // (combine-done). A peer's next dispatch (which writes this rank's arena, where the input or the
   // weights may lie) and next combine (which writes comb_recv) wait for it before their first
   // store here. The last block advances the epoch (every block read it at its start).
-  if (!LastBlockArrives<false>(args, kCombBlocks)) return;
+  if (!LastBlockArrives(args, kCombBlocks)) return;
   if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
   if (threadIdx.x == 0) {
     *next = 0;  // every block has made its last claim (if claims were used)

@@ -12,8 +12,8 @@ using plat::vec16_t;
 // kCombSumNext: the combine's next range to sum (a claim counter; reset by its last block).
 enum SyncWord : int { kDispBlocks = 0, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5, kCombSumNext = 6 };
 constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
-// WaitId, ErrCode, XdbRow and Stamp (the phase-timestamp slots; one thread's store each, negligible
-// cost) are generated into ep_generated.hpp: the host decodes them too.
+// WaitId, ErrCode, XdbRow, FlagUnit and Stamp (the phase-timestamp slots; one thread's store each,
+// negligible cost) are generated into ep_generated.hpp: the host decodes them too.
 
 template <typename P>
 MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {
@@ -51,34 +51,30 @@ MORI_DEVICE uint64_t WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t
   return v;
 }
 
-// True in exactly one block: the last one to arrive at counter `word` (which it resets).
-// kPeerStores: the blocks' stores to peers must be visible system-wide before the last block's
-// release stores. Where the platform allows (plat::kFenceEveryWave false), that is one fence per
-// block, by thread 0 after the barrier; otherwise every wave fences its own stores first. Without
-// kPeerStores, a device-scope release count orders each block's earlier accesses (the reads of
-// buffers the peers will overwrite) before the last block's release stores.
-template <bool kPeerStores>
+// Make the block's stores (to peers too) visible system-wide before thread 0's next access. Where
+// the platform allows (plat::kFenceEveryWave false), that is one fence by thread 0 after the
+// barrier (cumulative over the block's stores); otherwise every wave fences its own first.
+MORI_DEVICE void FenceBlockStoresSystem() {
+  if constexpr (plat::kFenceEveryWave) plat::fence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) plat::fence_system();
+}
+
+// True in exactly one block: the last one to arrive at counter `word` (which it resets). The count
+// is a device-scope release, so every block's earlier accesses (the reads of buffers the peers
+// will overwrite, say) precede whatever the last block does next.
 MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   __shared__ int last;
-  if constexpr (plat::kFenceEveryWave) {
-    if constexpr (kPeerStores) plat::fence_system(); else plat::fence_device();
-  }
+  if constexpr (plat::kFenceEveryWave) plat::fence_device();
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
-    unsigned before;
-    if constexpr (kPeerStores) {
-      plat::fence_system();  // the block's peer stores are visible system-wide before it is counted
-      before = plat::atomic_add_device(ctr, 1u);
-    } else {
-      before = plat::atomic_add_release_device(ctr, 1u);
-    }
-    last = before == gridDim.x - 1;
+    last = plat::atomic_add_release_device(ctr, 1u) == gridDim.x - 1;
     if (last) {
       *ctr = 0;
-      // Acquire side, at device scope: every block released (fenced) before counting itself, so
-      // this synchronizes with each, and the system-scope release stores that follow carry what
-      // they ordered to the peers by causality.
+      // Acquire side, at device scope: every block released before counting itself, so this
+      // synchronizes with each, and the system-scope release stores that follow carry what they
+      // ordered to the peers by causality.
       plat::fence_device();
     }
   }

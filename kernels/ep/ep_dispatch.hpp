@@ -158,22 +158,33 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   }
 
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
-  if (!LastBlockArrives<true>(args, kDispBlocks)) return;
-  // Last block: tell every peer this rank is done, wait for all of them, publish the count.
-  // (The release stores are cumulative over what the barrier in LastBlockArrives ordered.)
-  if (threadIdx.x == 0) StampAt(args, kStDispAllArrived);
-  if (threadIdx.x < kWs) {
-    XdbFlags(args, threadIdx.x, kXdbNumTok)[rank] = uint64_t(n);  // bounds the peer's combine sends to this rank
-    plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbDispatch) + rank, target);
+  // Every block tells every peer that its rows are there: once the block's stores are visible
+  // system-wide, one relaxed add per peer (block 0 first publishes this rank's token count), sized
+  // so that a rank's blocks add kDispatchDoneUnit per epoch whatever its grid (FlagUnit). No block
+  // waits for another before its news leaves, so the peers' waits overlap this rank's own count.
+  if (threadIdx.x == 0 && blockIdx.x == 0)
+    for (int pe = 0; pe < kWs; ++pe) XdbFlags(args, pe, kXdbNumTok)[rank] = uint64_t(n);  // bounds pe's combine sends here
+  FenceBlockStoresSystem();
+  if (threadIdx.x == 0) {
+    const uint64_t add = blockIdx.x == 0 ? kDispatchDoneUnit - (gridDim.x - 1) : 1;
+    for (int pe = 0; pe < kWs; ++pe)
+      if (pe != rank) plat::add_relaxed_system(XdbFlags(args, pe, kXdbDispatch) + rank, add);
   }
-  if (threadIdx.x < kWs) WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target,
-                                     kWaitDispatchDone, threadIdx.x);
+  // Last block: wait for every peer's blocks, then publish the count and advance the epoch (every
+  // block has read it: all have arrived).
+  if (!LastBlockArrives(args, kDispBlocks)) return;
+  if (threadIdx.x == 0) StampAt(args, kStDispAllArrived);
+  if (threadIdx.x < kWs && int(threadIdx.x) != rank)
+    WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target * kDispatchDoneUnit, kWaitDispatchDone,
+                threadIdx.x);
   __syncthreads();
   if (threadIdx.x == 0) {
     StampAt(args, kStDispPeersDone);
     int* recvNum = At<int>(args, rank, args.off_recv_num);
     *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
-    recvNum[parity] = 0;  // peers' next use of this counter is two epochs away (see header comment)
+    // A peer next claims on this counter two epochs on: only after it has counted this rank's
+    // next dispatch done, which follows this reset.
+    recvNum[parity] = 0;
     sync[kDispEpoch] = target;
     StampAt(args, kStDispEnd);
   }

@@ -14,11 +14,13 @@
 //    once and stored to every destination; a token's first chunk also carries its ids, weights and
 //    reverse-map entry. A wave's first chunk is loaded before the claim, overlapping its round trip.
 // Before its first copy, each block waits (normally one load) until every peer has finished its
-// last combine, which may still read rows in this rank's target regions. The last block to finish
-// publishes its token count and a done flag (device epoch + 1) on every peer, waits for every
-// peer's flag, then publishes total_recv and advances the epoch on the device (graph replays stay
-// correct). Each sent row also records on its destination where it landed (src_to_recv, tagged
-// with the epoch), for the combine's senders.
+// last combine, which may still read rows in this rank's target regions. When its copies are done,
+// each block fences them system-wide and adds to its rank's dispatch-done counter on every peer
+// (kDispatchDoneUnit per epoch from all the rank's blocks together; block 0 first publishes the
+// token count). The last local block to finish waits for every peer's counter, then publishes
+// total_recv and advances the epoch on the device (graph replays stay correct). Each sent row also
+// records on its destination where it landed (src_to_recv, tagged with the epoch), for the
+// combine's senders.
 //
 // Combine (gather by push, pipelined): the rows a rank's experts produced go back to their tokens'
 // home ranks. A sender task is one range of kRangeTok tokens of one peer, walked in token order

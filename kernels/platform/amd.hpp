@@ -60,6 +60,10 @@ MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
 MORI_DEVICE void store_release_system(uint64_t* p, uint64_t v) {
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+// Relaxed: ordered only by a fence before it.
+MORI_DEVICE void add_relaxed_system(uint64_t* p, uint64_t v) {
+  __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
 MORI_DEVICE int load_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
 // Nanoseconds from the constant 100 MHz wall clock (gfx9), for bounded spin-waits.

@@ -54,6 +54,10 @@ MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
 MORI_DEVICE void store_release_system(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// Relaxed: ordered only by a fence before it.
+MORI_DEVICE void add_relaxed_system(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 MORI_DEVICE int load_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
 // Nanoseconds of a global clock, for bounded spin-waits.

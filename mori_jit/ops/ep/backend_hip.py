@@ -19,7 +19,7 @@ from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
-from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, ErrCode, WaitId, region_bytes
+from .cfg import COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, ErrCode, FlagUnit, WaitId, region_bytes
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
 from .variants import ep_variants, plan_requests
@@ -27,7 +27,7 @@ from .variants import ep_variants, plan_requests
 __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSAGES", "decode_error"]
 
 #: What each spin-wait of the kernels waits for (every WaitId has one; a CPU test checks).
-WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispatch-done flag",
+WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispatch-done count",
                  WaitId.kWaitCombineDone: "waiting for a peer to finish its previous combine (combine-done flag)",
                  WaitId.kWaitCombineRange: "combine: waiting for a peer's rows of a token range (range-ready flag)"}
 # Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots).
@@ -51,7 +51,9 @@ def decode_error(words: list[int], rank: int) -> str:
     if code == ErrCode.kErrTimeout:
         wait, peer, who = detail >> 48, (detail >> 32) & 0xFFFF, (detail >> 16) & 0xFFFF
         # a range flag counts 2 per combine (its low bit carries a short input)
-        goal = f"{extra} = 2 x combine epoch {extra // 2}" if wait == WaitId.kWaitCombineRange else f"{extra}"
+        goal = (f"{extra} = 2 x combine epoch {extra // 2}" if wait == WaitId.kWaitCombineRange else
+                f"{extra} = {FlagUnit.kDispatchDoneUnit} x dispatch epoch {extra // FlagUnit.kDispatchDoneUnit}"
+                if wait == WaitId.kWaitDispatchDone else f"{extra}")
         return (f"rank {who}: {WAIT_MESSAGES.get(wait, f'wait {wait}')} from rank {peer} timed out after "
                 f"MORI_EP_TIMEOUT_S (flag never reached {goal}); a peer skipped or is stuck in a collective")
     if code == ErrCode.kErrShortInput:

@@ -18,7 +18,7 @@ from mori_jit.jit.toolchain import wave_size_for_arch
 
 from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
-__all__ = ["EpDType", "WaitId", "ErrCode", "XdbRow", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS", "EP_REGIONS",
+__all__ = ["EpDType", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS", "EP_REGIONS",
            "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
            "EpSummable", "DISPATCH", "COMBINE"]
@@ -73,9 +73,17 @@ class ErrCode(_U64Const):
 class XdbRow(CConst):
     """Rows of the cross-device `xdb` region, each indexed by the writing rank."""
 
-    kXdbDispatch = 0  # dispatch done (epoch)
+    kXdbDispatch = 0  # dispatch done (a count: FlagUnit.kDispatchDoneUnit per epoch)
     kXdbCombine = 1  # combine done reading (epoch)
     kXdbNumTok = 2  # token count of the writer's last dispatch
+
+
+class FlagUnit(_U64Const):
+    """How far a cross-device counter moves per epoch."""
+
+    # a rank's dispatch-done counter on each peer: its blocks add this in all per epoch, whatever
+    # its grid (block 0 adds kDispatchDoneUnit - (grid - 1), every other block 1)
+    kDispatchDoneUnit = 1 << 20
 
 
 class Stamp(CConst):
@@ -91,6 +99,7 @@ class Stamp(CConst):
     kStCombFirstRange = 9
     kStCombSent = 10  # the latest sender's finish (atomic max)
     kStCombSummed = 11  # the latest summer's finish (atomic max)
+    kStCombFlagsSeen = 13  # the latest time a summer saw all its range's flags (atomic max)
     kStCombEnd = 12
 
 
@@ -203,7 +212,7 @@ EP_ARGS = ArgsSchema("EpArgs", [
 ])
 
 register_header(GeneratedHeader(
-    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[WaitId, ErrCode, XdbRow, Stamp], cfgs=[EpCfg],
+    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[WaitId, ErrCode, XdbRow, FlagUnit, Stamp], cfgs=[EpCfg],
     derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpSummable, EpIsValid],
     args=[EP_ARGS]))
 
