@@ -158,9 +158,10 @@ struct Sender {
 
 // Sum range b of this rank's tokens: wait for every peer's flag of the range, then sum each token's
 // rows in fp32: its own row straight from the input, a peer's from comb_recv (where that peer pushed
-// it). One work item is one chunk of one token's row.
+// it). One work item is one chunk of one token's row. Returns when the range's flags were seen (for
+// the phase stamps).
 template <EpCfg kCfg, typename T>
-MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, int b) {
+MORI_DEVICE uint64_t SumRange(const EpArgs& args, uint64_t target, bool sumWeights, int b) {
   constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize, kM = kCfg.maxTokPerRank;
   constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = kCfg.vecUnroll;
   constexpr int kPerVec = 16 / sizeof(T), kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
@@ -183,8 +184,8 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   }
   __syncthreads();  // the acquire loads above, then the barrier, order every thread's loads below
   if constexpr (plat::kFenceEveryWave) plat::fence_system();
+  const uint64_t seen = plat::now_ns();
   if (b == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
-  if (threadIdx.x == 0) plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombFlagsSeen, plat::now_ns());
   for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
     const int t = t0 + item / kChunks, chunk = item % kChunks, flat = nextFlat;
     const int next = item + kCfg.warpPerBlock;
@@ -251,6 +252,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
       args.outWeights[t * kK + lane] = w;
     }
   }
+  return seen;
 }
 
 template <EpCfg kCfg, typename T>
@@ -298,6 +300,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // write). Otherwise (one task per block, or one rank) every block is free at once, so a fixed
   // stride does as well: block b sums ranges b, b + grid, ... with no atomic per range.
   __shared__ int claimed[2];
+  uint64_t seen = 0;  // when this block last saw a range's flags
   unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext);
   const bool claims = kWs > 1 && senders < grid;  // block-uniform; never on one rank (no senders)
   const int numRanges = NumRanges(args.numTokens), claimer = int(blockDim.x) - 1;
@@ -307,10 +310,14 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   }
   for (int i = 0, r = claims ? claimed[0] : int(blockIdx.x); r < numRanges; ++i) {
     if (claims && int(threadIdx.x) == claimer) claimed[(i + 1) & 1] = int(plat::atomic_add_device(next, 1u));
-    SumRange<kCfg, T>(args, target, sumWeights, r);
+    seen = SumRange<kCfg, T>(args, target, sumWeights, r);
     r = claims ? claimed[(i + 1) & 1] : r + grid;
   }
-  if (threadIdx.x == 0) plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSummed, plat::now_ns());
+  if (threadIdx.x == 0 && seen) {  // (a block that summed no range stamps nothing)
+    uint64_t* stamps = At<uint64_t>(args, rank, args.off_stamps);
+    plat::atomic_max_device(stamps + kStCombFlagsSeen, seen);
+    plat::atomic_max_device(stamps + kStCombSummed, plat::now_ns());
+  }
 
   // End: once all of this rank's blocks are done reading its inputs and comb_recv, tell every peer
   // (combine-done). A peer's next dispatch (which writes this rank's arena, where the input or the

@@ -162,8 +162,8 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   // system-wide, one relaxed add per peer (block 0 first publishes this rank's token count), sized
   // so that a rank's blocks add kDispatchDoneUnit per epoch whatever its grid (FlagUnit). No block
   // waits for another before its news leaves, so the peers' waits overlap this rank's own count.
-  if (threadIdx.x == 0 && blockIdx.x == 0)
-    for (int pe = 0; pe < kWs; ++pe) XdbFlags(args, pe, kXdbNumTok)[rank] = uint64_t(n);  // bounds pe's combine sends here
+  if (threadIdx.x == 0 && blockIdx.x == 0)  // (n bounds each peer's combine sends to this rank)
+    for (int pe = 0; pe < kWs; ++pe) XdbFlags(args, pe, kXdbNumTok)[rank] = uint64_t(n);
   FenceBlockStoresSystem();
   if (threadIdx.x == 0) {
     const uint64_t add = blockIdx.x == 0 ? kDispatchDoneUnit - (gridDim.x - 1) : 1;

@@ -16,7 +16,7 @@ enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1, kXdbNumTok = 2 };
 // How far a cross-device counter moves per epoch.
 enum FlagUnit : uint64_t { kDispatchDoneUnit = 0x100000 };
 // Phase-timestamp slots of the `stamps` region (globaltimer ns of the last call).
-enum Stamp : int { kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4, kStDispClaimed = 5, kStCombStart = 8, kStCombFirstRange = 9, kStCombSent = 10, kStCombSummed = 11, kStCombFlagsSeen = 13, kStCombEnd = 12 };
+enum Stamp : int { kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4, kStDispClaimed = 5, kStCombStart = 8, kStCombFirstRange = 9, kStCombSent = 10, kStCombSummed = 11, kStCombEnd = 12, kStCombFlagsSeen = 13 };
 
 struct EpCfg {
   int worldSize = 8;

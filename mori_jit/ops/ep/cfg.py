@@ -18,8 +18,8 @@ from mori_jit.jit.toolchain import wave_size_for_arch
 
 from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
-__all__ = ["EpDType", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS", "EP_REGIONS",
-           "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes",
+__all__ = ["EpDType", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
+           "EP_REGIONS", "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
            "EpSummable", "DISPATCH", "COMBINE"]
 
@@ -99,8 +99,8 @@ class Stamp(CConst):
     kStCombFirstRange = 9
     kStCombSent = 10  # the latest sender's finish (atomic max)
     kStCombSummed = 11  # the latest summer's finish (atomic max)
-    kStCombFlagsSeen = 13  # the latest time a summer saw all its range's flags (atomic max)
     kStCombEnd = 12
+    kStCombFlagsSeen = 13  # the latest time a summer saw all its range's flags (atomic max)
 
 
 #: Words of the `stamps` region.
