@@ -114,6 +114,13 @@ def _golden_job(rank, ws):
                                       combine_warp_num_per_block=warps), None) as op:
             for n in (m, 37, 0):
                 _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
+    # Ranks on different grids (each rank picks its geometry from its own token count): a rank's
+    # dispatch-done count and its combine ranges must not depend on its peers' grids.
+    blocks = (8, 24, 16, 40)[rank % 4]
+    with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, m, dispatch_block_num=blocks,
+                                  combine_block_num=blocks), None) as op:
+        for n in (m, 37, 0, m):
+            _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
 
 
 def _rounds_job(rank, ws):
@@ -232,7 +239,10 @@ def _combine_inputs_job(rank, ws):
                 x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
                 out, out_w, _, _, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
                 t = total.item()
-                rows = t // 2 if rank == 0 else t
+                # rank 0 drops its rows from its last peer-sourced one on (slot order follows the
+                # ranks' claim timing, so half the rows might all be its own)
+                peer_rows = (routing.recv_src[:t].long() // cfg.max_num_inp_token_per_rank != 0).nonzero()
+                rows = (int(peer_rows[-1]) if len(peer_rows) else t // 2) if rank == 0 else t
                 lost = torch.zeros(ws, dtype=torch.int32, device=dev)  # by source rank of a dropped row
                 if rank == 0:
                     lost[(routing.recv_src[rows:t].long() // cfg.max_num_inp_token_per_rank).unique()] = 1
