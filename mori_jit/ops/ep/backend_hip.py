@@ -51,10 +51,11 @@ def decode_error(words: list[int], rank: int) -> str:
     code, detail, extra = words[0], words[1], words[2]
     if code == ErrCode.kErrTimeout:
         wait, peer, who = detail >> 48, (detail >> 32) & 0xFFFF, (detail >> 16) & 0xFFFF
-        # a range flag counts 2 per combine (its low bit carries a short input)
-        goal = (f"{extra} = 2 x combine epoch {extra // 2}" if wait == WaitId.kWaitCombineRange else
-                f"{extra} = {FlagUnit.kDispatchDoneUnit} x dispatch epoch {extra // FlagUnit.kDispatchDoneUnit}"
-                if wait == WaitId.kWaitDispatchDone else f"{extra}")
+        # how far each word moves per epoch: a range flag 2 (its low bit carries a short input), a
+        # dispatch-done count kDispatchDoneUnit, the combine-done flag 1
+        unit, what = {WaitId.kWaitCombineRange: (2, "combine"),
+                      WaitId.kWaitDispatchDone: (FlagUnit.kDispatchDoneUnit, "dispatch")}.get(wait, (1, ""))
+        goal = f"{extra} = {int(unit)} x {what} epoch {extra // unit}" if unit > 1 else f"{extra}"
         return (f"rank {who}: {WAIT_MESSAGES.get(wait, f'wait {wait}')} from rank {peer} timed out after "
                 f"MORI_EP_TIMEOUT_S (flag never reached {goal}); a peer skipped or is stuck in a collective")
     if code == ErrCode.kErrShortInput:

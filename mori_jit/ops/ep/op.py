@@ -38,7 +38,7 @@ class EpDeviceError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """What a backend built. Callables take a bucket index first (see :meth:`EpDispatchCombineOp._pick`).
+    """What a backend built. Callables take a bucket index first (see ``EpDispatchCombineOp._pick``).
 
     ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``;
     ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
@@ -162,7 +162,8 @@ class EpDispatchCombineOp(abc.ABC):
         # What every call reads, resolved once: the config's properties cost a Python call each,
         # and dispatch()/combine() have a host budget of a few microseconds.
         self._id = id(self)
-        self._bucket = self._kernels.schedule.index
+        # _pick(num_tokens): the bucket index, a lookup among already-compiled variants, never a compile
+        self._pick = self._kernels.schedule.index
         self._disp_dtype, self._comb_dtype, self._cap = cfg.dispatch_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._closed = False
 
@@ -200,10 +201,6 @@ class EpDispatchCombineOp(abc.ABC):
         if self._closed:
             raise RuntimeError("EpDispatchCombineOp is closed")
         self._kernels.reset()
-
-    def _pick(self, num_tokens: int) -> int:
-        """Bucket index for a token count: a lookup among already-compiled variants, never a compile."""
-        return self._bucket(num_tokens)
 
     def get_combine_input_buffer(self) -> torch.Tensor:
         """A ``[recv_capacity, hidden]`` buffer (combine dtype) an expert may write into: the same
@@ -246,7 +243,7 @@ class EpDispatchCombineOp(abc.ABC):
                 raise EpUnsupportedError("per-token scales are not supported by this backend")
             _expect("scales", scales, scales.dtype, (n, cfg.scale_dim), dev)
         _expect("indices", indices, torch.int32, (n, cfg.num_experts_per_token), dev)
-        res = k.dispatch(self._bucket(n), input, weights, scales, indices)
+        res = k.dispatch(self._pick(n), input, weights, scales, indices)
         return res if return_routing else res[:5]
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
@@ -285,4 +282,4 @@ class EpDispatchCombineOp(abc.ABC):
             # the kernel reads the inputs, and the peers the arena, while it writes the outputs
             _refuse_overlaps((("out", out), ("out_weights", out_weights)),
                              (("input", input), ("weights", weights)), ("the op's symmetric buffers", self._arena_span))
-        return k.combine(self._bucket(n), input, weights, routing, out, out_weights)
+        return k.combine(self._pick(n), input, weights, routing, out, out_weights)
