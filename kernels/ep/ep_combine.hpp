@@ -156,21 +156,53 @@ struct Sender {
   }
 };
 
+// Where one work item's rows come from: one source per rank its token went to (its own row
+// straight from the input, a peer's from comb_recv, where that peer pushed it), and this lane's
+// weight (lane < k) of each. `flat` is the token's forward-map entry on lane j < k (-1 elsewhere).
+template <EpCfg kCfg>
+struct ItemSources {
+  static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
+  static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg);
+  const vec16_t* row[kWs];
+  const float* w[kWs];
+  int n = 0;
+  MORI_DEVICE ItemSources(const EpArgs& args, bool sumWeights, int flat, int t) {
+    const int rank = args.rank, lane = plat::lane_id();
+    const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
+    const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
+    const float* recvW = At<float>(args, rank, args.off_comb_recv_wts);
+#pragma unroll
+    for (int i = 0; i < kWs; ++i) row[i] = nullptr, w[i] = nullptr;
+    for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
+      const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
+      if (pe == rank && slot >= args.inpRows) continue;  // short input (reported): never read past it
+      const vec16_t* r = pe == rank ? in + size_t(slot) * kVecs : recv + size_t(pe * kM + t) * kVecs;
+      // (formed only with weights: the input's weights pointer may be null otherwise)
+      const float* wp = !sumWeights ? nullptr
+                        : (pe == rank ? args.inpWeights + size_t(slot) * kK : recvW + size_t(pe * kM + t) * kK) + lane;
+#pragma unroll
+      for (int i = 0; i < kWs; ++i)  // (static indices: the arrays stay in registers)
+        if (i == n) row[i] = r, w[i] = wp;
+      ++n;
+    }
+  }
+};
+
 // Sum range b of this rank's tokens: wait for every peer's flag of the range, then sum each token's
-// rows in fp32: its own row straight from the input, a peer's from comb_recv (where that peer pushed
-// it). One work item is one chunk of one token's row. Returns when the range's flags were seen (for
-// the phase stamps).
-template <EpCfg kCfg, typename T>
-MORI_DEVICE uint64_t SumRange(const EpArgs& args, uint64_t target, bool sumWeights, int b) {
+// rows (ItemSources) in fp32. One work item is one chunk of one token's row; the items go round the
+// block's waves in block-uniform rounds. `*nextRange` (shared, set before the call) is the block's
+// next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
+// loads and its stores, so that neither the block's count nor the combine-done release waits for
+// those stores (nothing needs them before the kernel's end). `seen`: when the flags were seen.
+template <EpCfg kCfg, typename T, typename Finish>
+MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, int b, const int* nextRange,
+                          int numRanges, Finish&& finish) {
   constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize, kM = kCfg.maxTokPerRank;
-  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = kCfg.vecUnroll;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll, kWaves = kCfg.warpPerBlock;
   constexpr int kPerVec = 16 / sizeof(T), kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
   const int rank = args.rank, lane = plat::lane_id(), wave = plat::wave_id(), n = args.numTokens;
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
   const uint64_t* flags = At<uint64_t>(args, rank, args.off_comb_flags);
-  const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
-  const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
-  const float* recvW = At<float>(args, rank, args.off_comb_recv_wts);
   const int t0 = b * kRangeTok, numItems = min(kRangeTok, n - t0) * kChunks;
   // the wave's first forward-map entry (written by dispatch, a previous kernel), loaded before the wait
   int nextFlat = wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1;
@@ -186,56 +218,55 @@ MORI_DEVICE uint64_t SumRange(const EpArgs& args, uint64_t target, bool sumWeigh
   if constexpr (plat::kFenceEveryWave) plat::fence_system();
   const uint64_t seen = plat::now_ns();
   if (b == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
-  for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
-    const int t = t0 + item / kChunks, chunk = item % kChunks, flat = nextFlat;
-    const int next = item + kCfg.warpPerBlock;
-    nextFlat = next < numItems && lane < kK ? tokOff[(t0 + next / kChunks) * kK + lane] : -1;
-    const uint64_t srcs = plat::ballot(flat >= 0);
-    const vec16_t* srcRow[kWs];
-    const float* srcW[kWs];  // this lane's weight (lane < k) of each source
-    int numSrc = 0;
-#pragma unroll
-    for (int i = 0; i < kWs; ++i) srcRow[i] = nullptr, srcW[i] = nullptr;
-    for (uint64_t m = srcs; m; m &= m - 1) {
-      const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
-      if (pe == rank && slot >= args.inpRows) continue;  // short input (reported): never read past it
-      srcRow[numSrc] = pe == rank ? in + size_t(slot) * kVecs : recv + size_t(pe * kM + t) * kVecs;
-      // (formed only with weights: the input's weights pointer may be null otherwise)
-      srcW[numSrc++] = !sumWeights ? nullptr
-                       : (pe == rank ? args.inpWeights + size_t(slot) * kK : recvW + size_t(pe * kM + t) * kK) + lane;
-    }
-    // A token's weights (first chunk, lane < k): every source's load issued with the rows' loads
-    // below, not after them, so this item costs one memory latency, not two.
-    const bool withW = sumWeights && chunk == 0 && lane < kK;
-    float wv[kWs];
-#pragma unroll
-    for (int s = 0; s < kWs; ++s) wv[s] = withW && s < numSrc ? plat::load_peer_f32(srcW[s]) : 0.f;
-    vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
-    const int v0 = chunk * kChunkVecs + lane;
+  const bool closing = *nextRange >= numRanges;  // block-uniform (the barrier above published it)
+  const int rounds = (numItems + kWaves - 1) / kWaves;
+  for (int round = 0; round < rounds; ++round) {
+    const int item = round * kWaves + wave, t = t0 + item / kChunks, chunk = item % kChunks, flat = nextFlat;
+    const bool has = item < numItems;  // wave-uniform
     float acc[kUnroll][kPerVec];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int e = 0; e < kPerVec; ++e) acc[u][e] = 0.f;
-    // two sources' loads in flight at once (a token has one source per rank it went to)
-    for (int s = 0; s < numSrc; s += 2) {
-      const int pair = s + 1 < numSrc ? 2 : 1;
-      vec16_t buf[2][kUnroll];
+    float wv[kWs];
 #pragma unroll
-      for (int p = 0; p < 2; ++p)
+    for (int s = 0; s < kWs; ++s) wv[s] = 0.f;
+    // A token's weights (first chunk, lane < k): every source's load issued with the rows' loads
+    // below, not after them, so this item costs one memory latency, not two.
+    const bool withW = has && sumWeights && chunk == 0 && lane < kK;
+    const int v0 = chunk * kChunkVecs + lane;
+    if (has) {
+      const int next = item + kWaves;
+      nextFlat = next < numItems && lane < kK ? tokOff[(t0 + next / kChunks) * kK + lane] : -1;
+      const ItemSources<kCfg> src(args, sumWeights, flat, t);
+      const int numSrc = src.n;
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (p < pair && v0 + u * kW < kVecs) buf[p][u] = plat::load_peer(srcRow[s + p] + v0 + u * kW);
+      for (int s = 0; s < kWs; ++s) wv[s] = withW && s < numSrc ? plat::load_peer_f32(src.w[s]) : 0.f;
+      // two sources' loads in flight at once (a token has one source per rank it went to)
 #pragma unroll
-      for (int p = 0; p < 2; ++p)
+      for (int s = 0; s < kWs; s += 2) {  // (static indices into src: registers, not the stack)
+        if (s >= numSrc) break;
+        const int pair = s + 1 < numSrc ? 2 : 1;
+        vec16_t buf[2][kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const T* el = reinterpret_cast<const T*>(&buf[p][u]);
+        for (int p = 0; p < 2; ++p)
 #pragma unroll
-          for (int e = 0; e < kPerVec; ++e)
-            if (p < pair) acc[u][e] += to_f32(el[e]);
-        }
+          for (int u = 0; u < kUnroll; ++u)
+            if (p < pair && v0 + u * kW < kVecs) buf[p][u] = plat::load_peer(src.row[s + p] + v0 + u * kW);
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const T* el = reinterpret_cast<const T*>(&buf[p][u]);
+#pragma unroll
+            for (int e = 0; e < kPerVec; ++e)
+              if (p < pair) acc[u][e] += to_f32(el[e]);
+          }
+      }
     }
+    if (closing && round == rounds - 1) finish(seen);  // every read of this block is done
+    if (!has) continue;
+    vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (v0 + u * kW >= kVecs) break;
@@ -252,7 +283,6 @@ MORI_DEVICE uint64_t SumRange(const EpArgs& args, uint64_t target, bool sumWeigh
       args.outWeights[t * kK + lane] = w;
     }
   }
-  return seen;
 }
 
 template <EpCfg kCfg, typename T>
@@ -294,41 +324,43 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     for (int q = blockIdx.x; q < numTasks; q += senders) sender.Send(q);
     if (threadIdx.x == 0) plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSent, plat::now_ns());
   }
+  // The block's end, once it has read everything it will (its inputs, comb_recv, the claim
+  // counter): it counts itself; the last local block then tells every peer (combine-done: a peer's
+  // next dispatch, which writes this rank's arena, where the input or the weights may lie, and its
+  // next combine, which writes comb_recv, wait for it before their first store here), resets the
+  // claim counter and advances the epoch (every block read it at its start). seen: when this block
+  // last saw a range's flags (0: it summed none).
+  auto finish = [&](uint64_t seen) {
+    if (threadIdx.x == 0 && seen) {
+      uint64_t* stamps = At<uint64_t>(args, rank, args.off_stamps);
+      plat::atomic_max_device(stamps + kStCombFlagsSeen, seen);
+      plat::atomic_max_device(stamps + kStCombSummed, plat::now_ns());
+    }
+    if (!LastBlockArrives(args, kCombBlocks)) return;
+    if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
+    if (threadIdx.x == 0) {
+      *reinterpret_cast<unsigned*>(sync + kCombSumNext) = 0;
+      sync[kCombEpoch] = target;
+      StampAt(args, kStCombEnd);
+    }
+  };
   // Sum. With dedicated senders, ranges are claimed in order from a counter, so the senders take
   // their share of the last ranges when their pushes are done; the next claim is in flight while a
   // range is summed (double buffered: SumRange's barrier separates a slot's read from its next
   // write). Otherwise (one task per block, or one rank) every block is free at once, so a fixed
   // stride does as well: block b sums ranges b, b + grid, ... with no atomic per range.
   __shared__ int claimed[2];
-  uint64_t seen = 0;  // when this block last saw a range's flags
   unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext);
   const bool claims = kWs > 1 && senders < grid;  // block-uniform; never on one rank (no senders)
   const int numRanges = NumRanges(args.numTokens), claimer = int(blockDim.x) - 1;
-  if (claims) {
-    if (int(threadIdx.x) == claimer) claimed[0] = int(plat::atomic_add_device(next, 1u));
-    __syncthreads();
-  }
-  for (int i = 0, r = claims ? claimed[0] : int(blockIdx.x); r < numRanges; ++i) {
-    if (claims && int(threadIdx.x) == claimer) claimed[(i + 1) & 1] = int(plat::atomic_add_device(next, 1u));
-    seen = SumRange<kCfg, T>(args, target, sumWeights, r);
-    r = claims ? claimed[(i + 1) & 1] : r + grid;
-  }
-  if (threadIdx.x == 0 && seen) {  // (a block that summed no range stamps nothing)
-    uint64_t* stamps = At<uint64_t>(args, rank, args.off_stamps);
-    plat::atomic_max_device(stamps + kStCombFlagsSeen, seen);
-    plat::atomic_max_device(stamps + kStCombSummed, plat::now_ns());
-  }
-
-  // End: once all of this rank's blocks are done reading its inputs and comb_recv, tell every peer
-  // (combine-done). A peer's next dispatch (which writes this rank's arena, where the input or the
-  // weights may lie) and next combine (which writes comb_recv) wait for it before their first
-  // store here. The last block advances the epoch (every block read it at its start).
-  if (!LastBlockArrives(args, kCombBlocks)) return;
-  if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
-  if (threadIdx.x == 0) {
-    *next = 0;  // every block has made its last claim (if claims were used)
-    sync[kCombEpoch] = target;
-    StampAt(args, kStCombEnd);
+  if (claims && int(threadIdx.x) == claimer) claimed[0] = int(plat::atomic_add_device(next, 1u));
+  __syncthreads();
+  const int first = claims ? claimed[0] : int(blockIdx.x);
+  if (first >= numRanges) finish(0);  // (a block with no range to sum ends here)
+  for (int i = 0, r = first; r < numRanges; ++i) {
+    if (int(threadIdx.x) == claimer) claimed[(i + 1) & 1] = claims ? int(plat::atomic_add_device(next, 1u)) : r + grid;
+    SumRange<kCfg, T>(args, target, sumWeights, r, &claimed[(i + 1) & 1], numRanges, finish);
+    r = claimed[(i + 1) & 1];
   }
 }
 
