@@ -331,12 +331,14 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // claim counter and advances the epoch (every block read it at its start). seen: when this block
   // last saw a range's flags (0: it summed none).
   auto finish = [&](uint64_t seen) {
-    if (threadIdx.x == 0 && seen) {
+    const uint64_t summed = plat::now_ns();
+    const bool last = LastBlockArrives(args, kCombBlocks);
+    if (threadIdx.x == 0 && seen) {  // (after the count: its release would wait for these atomics)
       uint64_t* stamps = At<uint64_t>(args, rank, args.off_stamps);
       plat::atomic_max_device(stamps + kStCombFlagsSeen, seen);
-      plat::atomic_max_device(stamps + kStCombSummed, plat::now_ns());
+      plat::atomic_max_device(stamps + kStCombSummed, summed);
     }
-    if (!LastBlockArrives(args, kCombBlocks)) return;
+    if (!last) return;
     if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
     if (threadIdx.x == 0) {
       *reinterpret_cast<unsigned*>(sync + kCombSumNext) = 0;

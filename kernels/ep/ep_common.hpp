@@ -61,22 +61,18 @@ MORI_DEVICE void FenceBlockStoresSystem() {
 }
 
 // True in exactly one block: the last one to arrive at counter `word` (which it resets). The count
-// is a device-scope release, so every block's earlier accesses (the reads of buffers the peers
-// will overwrite, say) precede whatever the last block does next.
+// is a device-scope acquire-release: every block's earlier accesses (the reads of buffers the peers
+// will overwrite, say) precede it, and the last block's count, which saw all the others, precedes
+// whatever that block does next (the system-scope release stores that follow carry the other
+// blocks' accesses to the peers by causality).
 MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
   __shared__ int last;
   if constexpr (plat::kFenceEveryWave) plat::fence_device();
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
-    last = plat::atomic_add_release_device(ctr, 1u) == gridDim.x - 1;
-    if (last) {
-      *ctr = 0;
-      // Acquire side, at device scope: every block released before counting itself, so this
-      // synchronizes with each, and the system-scope release stores that follow carry what they
-      // ordered to the peers by causality.
-      plat::fence_device();
-    }
+    last = plat::atomic_add_acq_rel_device(ctr, 1u) == gridDim.x - 1;
+    if (last) *ctr = 0;
   }
   __syncthreads();
   return last;

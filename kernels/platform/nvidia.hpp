@@ -35,10 +35,11 @@ MORI_DEVICE void fence_device() { __threadfence(); }
 
 MORI_DEVICE int atomic_add_system(int* p, int v) { return atomicAdd_system(p, v); }
 MORI_DEVICE unsigned atomic_add_device(unsigned* p, unsigned v) { return atomicAdd(p, v); }
-// Release: the caller's earlier accesses (and the block's, after a barrier) precede the count.
-MORI_DEVICE unsigned atomic_add_release_device(unsigned* p, unsigned v) {
+// Acquire-release: the caller's earlier accesses (and the block's, after a barrier) precede the
+// count, and its later ones follow every count it saw.
+MORI_DEVICE unsigned atomic_add_acq_rel_device(unsigned* p, unsigned v) {
   unsigned old;
-  asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
 MORI_DEVICE int atomic_add_shared(int* p, int v) { return atomicAdd_block(p, v); }
