@@ -189,7 +189,15 @@ def _phase_profile(op, g_disp, g_comb, reps: int = 15, queued: bool = False) -> 
             g_disp.replay(), g_comb.replay()
         torch.cuda.synchronize()
         rows.append(stamps.tolist())
-    return {label: statistics.median((r[i] - r[j]) / 1e3 for r in rows) for label, i, j in PHASES}
+    return phase_times(rows)
+
+
+def phase_times(rows: list[list[int]]) -> dict:
+    """Median µs of each PHASES entry over stamp-region snapshots (ns). A phase whose stamp was
+    never written (0: e.g. no combine senders on one rank) is left out rather than reported as a
+    difference from zero."""
+    return {label: statistics.median((r[i] - r[j]) / 1e3 for r in rows)
+            for label, i, j in PHASES if all(r[i] and r[j] for r in rows)}
 
 
 def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):

@@ -55,3 +55,19 @@ def test_gpu_scripts_import_and_refuse_cleanly_without_enough_gpus(capsys):
             continue  # one GPU: this one would run
         assert mod.main(args) == 2
         assert f"{name}: needs" in capsys.readouterr().err
+
+
+def test_phase_times_are_medians_and_skip_stamps_never_written():
+    from mori_jit.ops.ep.cfg import EP_STAMP_WORDS, Stamp
+
+    bench = _bench_module()
+    rows = []
+    for k in range(3):  # ns; the combine's senders never ran (their stamp stays 0)
+        r = [0] * EP_STAMP_WORDS
+        r[Stamp.kStDispStart], r[Stamp.kStDispEnd] = 1_000_000, 1_000_000 + 5_000 + 1_000 * k
+        r[Stamp.kStCombStart], r[Stamp.kStCombEnd] = 2_000_000, 2_000_000 + 7_500
+        rows.append(r)
+    got = bench.phase_times(rows)
+    assert got["disp: end"] == 6.0 and got["comb: end (done flags sent)"] == 7.5
+    assert got["gap: disp end -> comb start"] == 2_000_000 / 1e3 - 1_000_000 / 1e3 - 6.0
+    assert "comb: last sender done" not in got and "disp: block 0 claimed its slots" not in got

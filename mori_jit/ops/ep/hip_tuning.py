@@ -59,6 +59,17 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 #               4096: 132x8 175.7 | 132x16 176.5 | 64x16 181.9 | 64x8 187.6
 #   EP1 combine  128: 64x16 10.3/10.3 | 132x16 10.4/10.0 | 132x8 10.9/10.9;  4096: 132x16 51.1/51.4 | 132x8 67.0
 #   EP1 dispatch 128: 132x16 9.4 | 132x8 9.6 | 64x16 9.8 | 64x8 10.0;  4096: 132x16 40.3 | 132x8 44.4
+# Session 9 (combine end before its last stores, acq_rel block count), run 5, graph mode,
+#   fresh/buffer input, docs/bench/session9/run5/sweep_ep{2,1}.json. The table did not move:
+#   EP2 combine  128: 64x16 17.2/17.0 | 132x16 17.3/17.3 | 64x8 18.2/18.1 | 132x8 18.4/18.3
+#                512: 132x16 36.3/36.4 | 132x8 38.9/38.9 | 64x16 42.4/42.5 | 64x8 45.4/45.3
+#               4096: 132x16 180.0/179.6 | 132x8 181.9/182.3 | 64x16 226.6/226.0 | 64x8 239.6/240.6
+#   EP2 dispatch bf16 128: 64x8 14.8 | 64x16 14.8 | 132x8 15.2 | 132x16 15.3
+#                512: 132x8 30.3 | 132x16 30.7 | 64x8 31.2 | 64x16 31.2 (within noise: 64x8 kept)
+#               4096: 132x8 175.2 | 132x16 175.8 | 64x16 182.3 | 64x8 186.5
+#   EP1 combine  128: 64x16 9.3/9.2 | 132x16 9.5/9.5 | 64x8 10.2 | 132x8 10.6;  4096: 132x16 51.7 | 132x8 66.3
+#   EP1 dispatch 128: 132x16 8.6 | 132x8 8.8 | 64x16 9.2 | 64x8 9.3 (0.7 apart, as in session 6:
+#                within the ±1 µs noise, so 64x8 kept);  4096: 132x16 39.4 | 132x8 44.2
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
