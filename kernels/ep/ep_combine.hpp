@@ -324,6 +324,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     for (int q = blockIdx.x; q < numTasks; q += senders) sender.Send(q);
     if (threadIdx.x == 0) plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSent, plat::now_ns());
   }
+  unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext);  // the sums' claim counter
   // The block's end, once it has read everything it will (its inputs, comb_recv, the claim
   // counter): it counts itself; the last local block then tells every peer (combine-done: a peer's
   // next dispatch, which writes this rank's arena, where the input or the weights may lie, and its
@@ -341,7 +342,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     if (!last) return;
     if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
     if (threadIdx.x == 0) {
-      *reinterpret_cast<unsigned*>(sync + kCombSumNext) = 0;
+      *next = 0;  // every block made its last claim before counting itself (if claims were used)
       sync[kCombEpoch] = target;
       StampAt(args, kStCombEnd);
     }
@@ -352,7 +353,6 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // write). Otherwise (one task per block, or one rank) every block is free at once, so a fixed
   // stride does as well: block b sums ranges b, b + grid, ... with no atomic per range.
   __shared__ int claimed[2];
-  unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext);
   const bool claims = kWs > 1 && senders < grid;  // block-uniform; never on one rank (no senders)
   const int numRanges = NumRanges(args.numTokens), claimer = int(blockDim.x) - 1;
   if (claims && int(threadIdx.x) == claimer) claimed[0] = int(plat::atomic_add_device(next, 1u));
