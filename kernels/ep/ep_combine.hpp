@@ -241,7 +241,8 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
       const ItemSources<kCfg> src(args, sumWeights, flat, t);
       const int numSrc = src.n;
 #pragma unroll
-      for (int s = 0; s < kWs; ++s) wv[s] = withW && s < numSrc ? plat::load_peer_f32(src.w[s]) : 0.f;
+      for (int s = 0; s < kWs; ++s)
+        if (withW && s < numSrc) wv[s] = plat::load_peer_f32(src.w[s]);
       // two sources' loads in flight at once (a token has one source per rank it went to)
 #pragma unroll
       for (int s = 0; s < kWs; s += 2) {  // (static indices into src: registers, not the stack)

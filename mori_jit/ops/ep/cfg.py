@@ -98,7 +98,7 @@ class Stamp(CConst):
     kStCombStart = 8
     kStCombFirstRange = 9
     kStCombSent = 10  # the latest sender's finish (atomic max)
-    kStCombSummed = 11  # the latest summer's finish (atomic max)
+    kStCombSummed = 11  # the latest block's sums computed, before its last output stores (atomic max)
     kStCombEnd = 12
     kStCombFlagsSeen = 13  # the latest time a summer saw all its range's flags (atomic max)
 
