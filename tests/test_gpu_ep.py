@@ -315,8 +315,10 @@ def _timeout_job(rank, ws):
         if rank == 0:
             op.dispatch(x, w, None, idx)  # rank 1 never dispatches: rank 0's wait must give up
             torch.cuda.synchronize()
-            with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: .* from rank 1 timed out"):
+            with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: .* from rank 1 timed out") as err:
                 op.check()
+            # the second dispatch: rank 1's blocks never added their 1048576 for epoch 2
+            assert "(flag never reached 2097152 = 1048576 x dispatch epoch 2)" in str(err.value), str(err.value)
             with pytest.raises(EpDeviceError):
                 op.dispatch(x, w, None, idx)  # the next call raises too
         op.reset()  # collective
@@ -328,8 +330,11 @@ def _timeout_job(rank, ws):
         if rank == 0:
             op.combine(out, weights=out_w, routing=routing)
             torch.cuda.synchronize()
-            with pytest.raises(EpDeviceError, match=r"rank 0: combine: .* from rank 1 timed out"):
+            with pytest.raises(EpDeviceError, match=r"rank 0: combine: .* from rank 1 timed out") as err:
                 op.check()
+            # every summer block timed out at once; the report is one thread's, whole: the 4th
+            # combine since the reset (3 rounds) waited for range flags of 2 x epoch 4
+            assert "(flag never reached 8 = 2 x combine epoch 4)" in str(err.value), str(err.value)
         op.reset()  # collective
         _round(op, op.cfg, rank, ws, gen, 32)
 

@@ -10,7 +10,8 @@ using plat::vec16_t;
 
 // Sync-word layout of the local `sync` region (u64 words; kernel-only).
 // kCombSumNext: the combine's next range to sum (a claim counter; reset by its last block).
-enum SyncWord : int { kDispBlocks = 0, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5, kCombSumNext = 6 };
+// kErrClaim: how many threads have failed since the last reset (RecordError; only the first reports).
+enum SyncWord : int { kDispBlocks = 0, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5, kCombSumNext = 6, kErrClaim = 7 };
 constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
 // WaitId, ErrCode, XdbRow, FlagUnit and Stamp (the phase-timestamp slots; one thread's store each,
 // negligible cost) are generated into ep_generated.hpp: the host decodes them too.
@@ -26,9 +27,11 @@ MORI_DEVICE uint64_t* XdbFlags(const EpArgs& a, int pe, int row) {
   return At<uint64_t>(a, pe, a.off_xdb) + row * kMaxPeers;
 }
 
-// Record a device error for the host (words: code, detail, extra). Not atomic: when several
-// threads fail at once, the host sees one of them.
+// Record a device error for the host (words: code, detail, extra). The first thread of this rank
+// to fail claims the words and the others return, so the host reads one thread's report whole
+// (a dead peer times out many waits at once) and it is the first error, until op.reset().
 MORI_DEVICE void RecordError(const EpArgs& a, ErrCode code, uint64_t detail, uint64_t extra) {
+  if (plat::atomic_add_device(reinterpret_cast<unsigned*>(SyncWords(a) + kErrClaim), 1u) != 0) return;
   volatile uint64_t* err = a.errWord;
   err[1] = detail;
   err[2] = extra;
