@@ -85,3 +85,17 @@ def test_hipcc_builds_axpy(arch, dtype, tmp_path):
     name = AXPY.entry_name(cfg)
     assert syms.get(name) == STT_FUNC, f"{name} not a function in the code object: {sorted(syms)[:20]}"
     assert f"{name}.kd" in syms  # the kernel descriptor hipModuleGetFunction looks up
+
+
+def test_nvcc_builds_the_push_probe(tmp_path):
+    """scripts/probe_push_modes.cu (a standalone device-run record tool) still builds, and its
+    bulk-copy kernel really uses the bulk-copy unit (the `tma` rows of docs/PERF.md session 10)."""
+    tc = _toolchain_or_skip("sm_90a")
+    src = os.path.join(os.path.dirname(__file__), "..", "scripts", "probe_push_modes.cu")
+    ptx = tmp_path / "probe.ptx"
+    p = subprocess.run([tc.compiler, "-O3", "-arch=sm_90a", "--ptx", "-o", str(ptx), src], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    text = ptx.read_text()
+    assert "cp.async.bulk.global.shared::cta.bulk_group" in text and "cp.async.bulk.shared::cluster.global" in text
+    assert "st.global.v4" in text  # the 16-byte stores of the st128 rows
