@@ -1,4 +1,5 @@
-"""Real compilers: Debian's hipcc (gfx90a, gfx940) and nvcc (sm_90a) build example_axpy for every dtype, and nvcc the push probe.
+"""Real compilers: Debian's hipcc (gfx90a, gfx940) and nvcc (sm_90a) build example_axpy for every dtype
+(and nvcc the push probe, scripts/probe_push_modes.cu).
 
 The entry symbol named by ``spec.entry_name(cfg)`` must be a FUNC in the binary's ELF symbol table:
 the cubin is read directly; the hipcc ``--genco`` output (a clang offload bundle with Debian's HIP
