@@ -25,7 +25,8 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
              "graph_floor_us": 4.5, "host_overhead_us": {"dispatch": 9.0, "combine": 14.0, "combine_out": 8.5,
                                                            "torch_empty": 3.0}}
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"link_ceiling_gbps": 400.0, "sm_link_rates": {"sm_pull_both_gbps": 370.0},
+    path.write_text(json.dumps({"link_ceiling_gbps": 400.0, "link_ceiling_reps_gbps": [399.2, 400.0, 401.4],
+                                "sm_link_rates": {"sm_pull_both_gbps": 370.0},
                                 "results": [point]}))
     md = _bench_module().report(str(path))
     row = next(ln for ln in md.splitlines() if "| hip_graph |" in ln)
@@ -35,6 +36,7 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
     assert cells[5] == f"{algo:.0f}" and cells[6] == f"{link:.0f}"
     assert cells[8:12] == ["10.00", "4.00", "1.50", "2.00"]  # torch / hip and a2a / hip
     assert "pull_both 370" in md and "floor: 1-kernel graph | 4.5" in md
+    assert "**400 GB/s** (median of 3 event-timed copies, 399-401)" in md
     assert "host overhead | 9.0 | 14.0 | (out=: 8.5)" in md
     assert (tmp_path / "r.md").read_text().strip() == md.strip()
 

@@ -204,8 +204,11 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
   const uint64_t* flags = At<uint64_t>(args, rank, args.off_comb_flags);
   const int t0 = b * kRangeTok, numItems = min(kRangeTok, n - t0) * kChunks;
-  // the wave's first forward-map entry (written by dispatch, a previous kernel), loaded before the wait
-  int nextFlat = wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1;
+  // The wave's first item's sources (from the forward map, which a previous kernel wrote), worked
+  // out before the wait: after it, that arithmetic cost 0.6-0.8 us of issue (every wave of the
+  // block runs it at once, four to a scheduler).
+  ItemSources<kCfg> src(args, sumWeights, wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1,
+                        t0 + wave / kChunks);
   // One poller per peer and block (a poller per wave measured slower: the polls load the memory
   // system the senders use).
   if (threadIdx.x < kWs && threadIdx.x != rank) {
@@ -221,8 +224,10 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   const bool closing = *nextRange >= numRanges;  // block-uniform (the barrier above published it)
   const int rounds = (numItems + kWaves - 1) / kWaves;
   for (int round = 0; round < rounds; ++round) {
-    const int item = round * kWaves + wave, t = t0 + item / kChunks, chunk = item % kChunks, flat = nextFlat;
+    const int item = round * kWaves + wave, t = t0 + item / kChunks, chunk = item % kChunks, next = item + kWaves;
     const bool has = item < numItems;  // wave-uniform
+    // the next round's forward-map entry, in flight during this round
+    const int nextFlat = next < numItems && lane < kK ? tokOff[(t0 + next / kChunks) * kK + lane] : -1;
     float acc[kUnroll][kPerVec];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
@@ -236,9 +241,6 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
     const bool withW = has && sumWeights && chunk == 0 && lane < kK;
     const int v0 = chunk * kChunkVecs + lane;
     if (has) {
-      const int next = item + kWaves;
-      nextFlat = next < numItems && lane < kK ? tokOff[(t0 + next / kChunks) * kK + lane] : -1;
-      const ItemSources<kCfg> src(args, sumWeights, flat, t);
       const int numSrc = src.n;
 #pragma unroll
       for (int s = 0; s < kWs; ++s)
@@ -266,23 +268,25 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
       }
     }
     if (closing && round == rounds - 1) finish(seen);  // every read of this block is done
-    if (!has) continue;
-    vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
+    if (has) {
+      vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (v0 + u * kW >= kVecs) break;
-      vec16_t o;
-      T* oe = reinterpret_cast<T*>(&o);
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v0 + u * kW >= kVecs) break;
+        vec16_t o;
+        T* oe = reinterpret_cast<T*>(&o);
 #pragma unroll
-      for (int e = 0; e < kPerVec; ++e) oe[e] = from_f32<T>(acc[u][e]);
-      out[v0 + u * kW] = o;
+        for (int e = 0; e < kPerVec; ++e) oe[e] = from_f32<T>(acc[u][e]);
+        out[v0 + u * kW] = o;
+      }
+      if (withW) {
+        float w = 0.f;
+#pragma unroll
+        for (int s = 0; s < kWs; ++s) w += wv[s];
+        args.outWeights[t * kK + lane] = w;
+      }
     }
-    if (withW) {
-      float w = 0.f;
-#pragma unroll
-      for (int s = 0; s < kWs; ++s) w += wv[s];
-      args.outWeights[t * kK + lane] = w;
-    }
+    if (round + 1 < rounds) src = ItemSources<kCfg>(args, sumWeights, nextFlat, t0 + next / kChunks);
   }
 }
 
@@ -323,7 +327,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     __syncthreads();  // the acquire above, then the barrier, order every thread's stores below
     if constexpr (plat::kFenceEveryWave) plat::fence_system();
     for (int q = blockIdx.x; q < numTasks; q += senders) sender.Send(q);
-    if (threadIdx.x == 0) plat::atomic_max_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSent, plat::now_ns());
+    if (threadIdx.x == 0) plat::max_relaxed_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSent, plat::now_ns());
   }
   unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext);  // the sums' claim counter
   // The block's end, once it has read everything it will (its inputs, comb_recv, the claim
@@ -337,8 +341,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     const bool last = LastBlockArrives(args, kCombBlocks);
     if (threadIdx.x == 0 && seen) {  // (after the count: its release would wait for these atomics)
       uint64_t* stamps = At<uint64_t>(args, rank, args.off_stamps);
-      plat::atomic_max_device(stamps + kStCombFlagsSeen, seen);
-      plat::atomic_max_device(stamps + kStCombSummed, summed);
+      plat::max_relaxed_device(stamps + kStCombFlagsSeen, seen);
+      plat::max_relaxed_device(stamps + kStCombSummed, summed);
     }
     if (!last) return;
     if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);

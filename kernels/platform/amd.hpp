@@ -51,8 +51,9 @@ MORI_DEVICE unsigned atomic_add_acq_rel_device(unsigned* p, unsigned v) {
 MORI_DEVICE int atomic_add_shared(int* p, int v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
 }
-MORI_DEVICE void atomic_max_device(uint64_t* p, uint64_t v) {
-  __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+// Fire and forget: the result is unused, so the atomic is issued without return.
+MORI_DEVICE void max_relaxed_device(uint64_t* p, uint64_t v) {
+  (void)__hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
 
 MORI_DEVICE uint64_t load_acquire_system(const uint64_t* p) {
