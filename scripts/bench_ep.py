@@ -61,6 +61,11 @@ def link_ceiling_reps_gbps(nbytes: int = 1 << 30, reps: int = 11) -> list[float]
     return rates
 
 
+def link_ceiling(reps: list[float]) -> float:
+    """The ceiling a run reports: the median of its reps (NaN without a second GPU)."""
+    return statistics.median(reps) if reps else float("nan")
+
+
 def back_to_back_median_us(fn, reps: int) -> float:
     """Median µs of ``reps`` back-to-back calls of ``fn``, each timed between events, all queued
     behind a GPU sleep so the host's launch speed stays out of the figure."""
@@ -343,7 +348,7 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
 
 
 def _job(rank, ws, args, ceiling_reps, out_path):
-    ceiling = statistics.median(ceiling_reps) if ceiling_reps else float("nan")
+    ceiling = link_ceiling(ceiling_reps)
     from mori_jit.jit.toolchain import get_toolchain
     get_toolchain()
     sm_rates = sm_link_rates(rank, ws)
@@ -467,7 +472,7 @@ def main(argv=None) -> int:
         return 0
     ws = torch.cuda.device_count()
     ceiling_reps = link_ceiling_reps_gbps()
-    ceiling = statistics.median(ceiling_reps) if ceiling_reps else float("nan")
+    ceiling = link_ceiling(ceiling_reps)
     print(f"link ceiling {ceiling:.1f} GB/s on {ws} GPUs"
           + (f" (reps {min(ceiling_reps):.1f}-{max(ceiling_reps):.1f})" if ceiling_reps else ""), flush=True)
     try:
