@@ -1,6 +1,7 @@
 """``mori-jit precompile --ep ...`` builds exactly the binaries a live hip op asks for (fake toolchain),
 and the real compilers build every EP kernel for every dtype pair at the default geometries, and the
-combine at the edge geometries its sender's pass split was written for."""
+combine at the edge geometries its sender's pass split was written for; nvcc's PTX of the combine
+has its phase stamps as fire-and-forget reductions."""
 from __future__ import annotations
 
 import pytest
@@ -104,3 +105,30 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
             assert spec.entry_name(c).encode() in e.binary.read_bytes()
             built.add(spec.entry_name(c))
     assert len(built) == 3, sorted(built)
+
+
+def test_nvcc_combine_phase_stamps_are_fire_and_forget(tmp_path):
+    """The combine's phase stamps are `red` reductions (PERF.md session 11): an `atomicMax` on a
+    generic pointer compiled to an `atom` whose result the thread waited for, which held each
+    summing block's first wave ~1.2 us before its last output stores. Checked in the PTX of the
+    combine as the op renders it (sm_90a)."""
+    import re
+    import subprocess
+
+    from mori_jit.jit.paths import kernels_dir
+
+    try:
+        tc = make_toolchain("sm_90a")
+    except ToolchainError as e:
+        pytest.skip(f"nvcc not installed: {e}")
+    cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=128,
+                                  num_experts_per_rank=128, num_experts_per_token=8, data_type=torch.bfloat16)
+    spec, c = next((s, c) for s, c in plan_requests(cfg, "sm_90a", 132) if "combine" in s.entry_name(c))
+    src, ptx = tmp_path / "combine.cu", tmp_path / "combine.ptx"
+    src.write_text(spec.render_source(c, tc))
+    cmd = [("--ptx" if a == "--cubin" else a) for a in tc.command(src, ptx, [kernels_dir()])]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=tc.env(), timeout=600)
+    assert p.returncode == 0, p.stderr
+    text = ptx.read_text()
+    assert len(re.findall(r"red\.relaxed\.gpu\.global\.max\.u64", text)) == 3  # sent, flags seen, summed
+    assert not re.search(r"atom(\.[a-z:]+)*\.max", text), "a returning atomic max is back in the combine"
