@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import struct
+import subprocess
+from pathlib import Path
 from typing import Any
 
 from mori_jit.jit.fields import CEnum, ConfigError, cfg_fields
@@ -86,6 +88,15 @@ def other_valid_value(cfg: Any, name: str, rng: random.Random | None = None):
 EM_CUDA = 190
 EM_AMDGPU = 224
 STT_FUNC = 2
+
+
+def nvcc_ptx(toolchain, src: Path, out: Path, include_dirs: list[Path] = ()) -> str:
+    """The PTX nvcc makes of ``src`` with the toolchain's own command and flags (``--ptx`` in place
+    of ``--cubin``); asserts the compile succeeded."""
+    cmd = [("--ptx" if a == "--cubin" else a) for a in toolchain.command(src, out, list(include_dirs))]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=toolchain.env(), timeout=600)
+    assert p.returncode == 0, p.stderr
+    return out.read_text()
 
 
 def elf_header(data: bytes) -> dict:

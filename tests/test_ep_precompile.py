@@ -113,8 +113,8 @@ def test_nvcc_combine_phase_stamps_are_fire_and_forget(tmp_path):
     summing block's first wave ~1.2 us before its last output stores. Checked in the PTX of the
     combine as the op renders it (sm_90a)."""
     import re
-    import subprocess
 
+    from jit_helpers import nvcc_ptx
     from mori_jit.jit.paths import kernels_dir
 
     try:
@@ -124,11 +124,8 @@ def test_nvcc_combine_phase_stamps_are_fire_and_forget(tmp_path):
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=128,
                                   num_experts_per_rank=128, num_experts_per_token=8, data_type=torch.bfloat16)
     spec, c = next((s, c) for s, c in plan_requests(cfg, "sm_90a", 132) if "combine" in s.entry_name(c))
-    src, ptx = tmp_path / "combine.cu", tmp_path / "combine.ptx"
+    src = tmp_path / "combine.cu"
     src.write_text(spec.render_source(c, tc))
-    cmd = [("--ptx" if a == "--cubin" else a) for a in tc.command(src, ptx, [kernels_dir()])]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=tc.env(), timeout=600)
-    assert p.returncode == 0, p.stderr
-    text = ptx.read_text()
+    text = nvcc_ptx(tc, src, tmp_path / "combine.ptx", [kernels_dir()])
     assert len(re.findall(r"red\.relaxed\.gpu\.global\.max\.u64", text)) == 3  # sent, flags seen, summed
     assert not re.search(r"atom(\.[a-z:]+)*\.max", text), "a returning atomic max is back in the combine"

@@ -14,10 +14,11 @@ import os
 import shutil
 import subprocess
 import types
+from pathlib import Path
 
 import pytest
 
-from jit_helpers import (BUNDLE_MAGIC, EM_AMDGPU, EM_CUDA, STT_FUNC, elf_header, elf_symbols, unbundle)
+from jit_helpers import (BUNDLE_MAGIC, EM_AMDGPU, EM_CUDA, STT_FUNC, elf_header, elf_symbols, nvcc_ptx, unbundle)
 from mori_jit.examples.axpy_spec import AXPY, AxpyDType, AxpyElemBytes
 from mori_jit.jit import cache
 from mori_jit.jit.compile import build
@@ -92,11 +93,7 @@ def test_nvcc_builds_the_push_probe(tmp_path):
     """scripts/probe_push_modes.cu (a standalone device-run record tool) still builds, and its
     bulk-copy kernel really uses the bulk-copy unit (the `tma` rows of docs/PERF.md session 10)."""
     tc = _toolchain_or_skip("sm_90a")
-    src = os.path.join(os.path.dirname(__file__), "..", "scripts", "probe_push_modes.cu")
-    ptx = tmp_path / "probe.ptx"
-    p = subprocess.run([tc.compiler, "-O3", "-arch=sm_90a", "--ptx", "-o", str(ptx), src], capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    text = ptx.read_text()
+    src = Path(__file__).resolve().parents[1] / "scripts" / "probe_push_modes.cu"
+    text = nvcc_ptx(tc, src, tmp_path / "probe.ptx")
     assert "cp.async.bulk.global.shared::cta.bulk_group" in text and "cp.async.bulk.shared::cluster.global" in text
     assert "st.global.v4" in text  # the 16-byte stores of the st128 rows

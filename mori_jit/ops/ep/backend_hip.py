@@ -85,18 +85,20 @@ class CombineOutputs:
         self._like: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _templates(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(self._like) >= self._MAX_CACHED:
-            self._like.clear()
-        t = self._like[n] = (self._y_one.expand(n, self._hidden), self._w_one.expand(n, self._k))
+        t = self._like.get(n)
+        if t is None:
+            if len(self._like) >= self._MAX_CACHED:
+                self._like.clear()
+            t = self._like[n] = (self._y_one.expand(n, self._hidden), self._w_one.expand(n, self._k))
         return t
 
     def y(self, n: int) -> torch.Tensor:
         """A new, uninitialized, contiguous ``[n, hidden]`` tensor of the combine dtype."""
-        return torch.empty_like((self._like.get(n) or self._templates(n))[0])
+        return torch.empty_like(self._templates(n)[0])
 
     def w(self, n: int) -> torch.Tensor:
         """A new, uninitialized, contiguous ``[n, k]`` float32 tensor."""
-        return torch.empty_like((self._like.get(n) or self._templates(n))[1])
+        return torch.empty_like(self._templates(n)[1])
 
 
 class EpDispatchCombineOpHip(EpDispatchCombineOp):
