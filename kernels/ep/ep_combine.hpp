@@ -48,7 +48,11 @@ struct SendPlan {
 };
 
 // A block's sender state: the current task's slots and first-pass rows (in registers), and the
-// slots of the task after it.
+// slots of the task after it. A block's first two tasks are fixed (b and b + senders); later ones are
+// claimed from a counter, so blocks whose pushes run faster take more (with a fixed stride the first
+// and last sender ended 25 us apart at 4096 tokens). Claims run well ahead of use: thread 0 issues
+// one at a task's barrier, publishes its value in shared memory at the next barrier, and every
+// thread reads it at the task after (no thread waits on the atomic).
 template <EpCfg kCfg>
 struct Sender {
   using P = SendPlan<kCfg>;
@@ -64,18 +68,36 @@ struct Sender {
   const uint64_t* srcToRecv;
   const uint32_t dispTag;
   Slots cur;
-  int nextSlot;
+  int nextTask, nextSlot;  // the task after the current one, and its slots
+  int pending;  // thread 0: the claim issued at the last barrier, published at the next
+  int* const claims;  // shared: published claims, double buffered (a barrier between write and read)
+  int barriers = 0;
   vec16_t buf[P::kPerPass];
   float w[P::kWtsPer];
 
-  MORI_DEVICE Sender(const EpArgs& a, uint64_t tgt, bool wts, int tasks, int senders)
+  MORI_DEVICE Sender(const EpArgs& a, uint64_t tgt, bool wts, int tasks, int senders, int* shared)
       : args(a), target(tgt), withWeights(wts), numTasks(tasks), stride(senders),
         numTok(XdbFlags(a, a.rank, kXdbNumTok)), srcToRecv(At<uint64_t>(a, a.rank, a.off_src_to_recv)),
-        dispTag(uint32_t(SyncWords(a)[kDispEpoch])) {
+        dispTag(uint32_t(SyncWords(a)[kDispEpoch])), claims(shared) {
     cur = Spread(TaskSlot(blockIdx.x));
-    nextSlot = TaskSlot(blockIdx.x + stride);
+    nextTask = blockIdx.x + stride;
+    nextSlot = TaskSlot(nextTask);
+    if (threadIdx.x == 0) pending = Claim();
     LoadPass(0);  // the first task's rows: the combine-done wait guards only the stores
   }
+  // A task index past the fixed ones (numTasks, i.e. none, when the fixed ones cover every task).
+  MORI_DEVICE int Claim() const {
+    if (numTasks <= 2 * stride) return numTasks;
+    return 2 * stride + int(plat::atomic_add_device(reinterpret_cast<unsigned*>(SyncWords(args) + kCombSendNext), 1u));
+  }
+  // Thread 0, before each of the block's barriers: publish the last claim, issue the next.
+  MORI_DEVICE void Publish() {
+    if (threadIdx.x != 0) return;
+    claims[barriers & 1] = min(pending, numTasks);
+    pending = Claim();
+  }
+  // The task after next (every thread; published at the last barrier). Call once per barrier.
+  MORI_DEVICE int Claimed() { return claims[barriers++ & 1]; }
   MORI_DEVICE int Dest(int q) const { return (args.rank + 1 + q % kDests) % kWs; }
   // Lane i < kRangeTok: this rank's row of token t0 + i of task q's peer; -1 if that token was not
   // routed here this epoch or the task is empty, kShortSlot if its row lies beyond a short input
@@ -128,8 +150,9 @@ struct Sender {
         if (j < P::kWts && SlotOf(j / kK) >= 0) dstW[j] = w[u];
       }
   }
-  // Push task q (this block's current one) into its peer's comb_recv and raise its range flag.
-  MORI_DEVICE void Send(int q) {
+  // Push task q (this block's current one) into its peer's comb_recv and raise its range flag;
+  // returns the block's next task (numTasks or more: none).
+  MORI_DEVICE int Send(int q) {
     const int b = q / kDests, d = Dest(q), rank = args.rank;
     const bool live = b < NumRanges(int(numTok[d]));  // block-uniform
     if (live) {
@@ -146,13 +169,16 @@ struct Sender {
     for (int i = 0; i < kRangeTok; ++i) shortInput |= cur.s[i] == kShortSlot;
     // The next task's first loads reuse the registers the stores above have already read.
     cur = Spread(nextSlot);
-    nextSlot = TaskSlot(q + 2 * stride);
+    const int after = Claimed(), next = nextTask;
+    nextTask = after;
+    nextSlot = TaskSlot(after);
     LoadPass(0);
-    if (!live) return;
-    if constexpr (plat::kFenceEveryWave) plat::fence_system();
+    if (live && plat::kFenceEveryWave) plat::fence_system();
+    Publish();
     __syncthreads();  // the release below is cumulative over the block's stores
-    if (threadIdx.x == 0)
+    if (live && threadIdx.x == 0)
       plat::store_release_system(At<uint64_t>(args, d, args.off_comb_flags) + rank * kM + b, RangeFlag(target, shortInput));
+    return next;
   }
 };
 
@@ -320,13 +346,15 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // (maxRanges is 0 on one rank: no peers)
   const int numTasks = maxRanges * Sender<kCfg>::kDests, senders = CombSenders(numTasks), grid = int(gridDim.x);
   if (kWs > 1 && int(blockIdx.x) < senders && int(blockIdx.x) < numTasks) {  // one rank: no senders
-    Sender<kCfg> sender(args, target, sendWeights, numTasks, senders);
+    __shared__ int sendClaims[2];
+    Sender<kCfg> sender(args, target, sendWeights, numTasks, senders, sendClaims);
     // Before the first store: comb_recv on a peer is free once its previous combine is done.
     if (threadIdx.x < kWs && threadIdx.x != rank)
       WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target - 1, kWaitCombineDone, threadIdx.x);
+    sender.Publish();
     __syncthreads();  // the acquire above, then the barrier, order every thread's stores below
     if constexpr (plat::kFenceEveryWave) plat::fence_system();
-    for (int q = blockIdx.x; q < numTasks; q += senders) sender.Send(q);
+    for (int q = blockIdx.x; q < numTasks; q = sender.Send(q)) {}
     if (threadIdx.x == 0) plat::max_relaxed_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSent, plat::now_ns());
   }
   unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext);  // the sums' claim counter
@@ -347,7 +375,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     if (!last) return;
     if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
     if (threadIdx.x == 0) {
-      *next = 0;  // every block made its last claim before counting itself (if claims were used)
+      *next = 0;  // every block made its last claims before counting itself (if claims were used)
+      sync[kCombSendNext] = 0;
       sync[kCombEpoch] = target;
       StampAt(args, kStCombEnd);
     }
