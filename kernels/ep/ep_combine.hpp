@@ -22,9 +22,10 @@ constexpr int kShortSlot = -2;
 // while the rest sum, and the senders join the summing when their pushes are done (see the end of
 // EpCombineBody). Interleaving sends and sums in every block measured far slower (219 against 181
 // µs at 4096 tokens): a block's pushes stall on every range wait, as the flags queue behind the
-// data on the link. kSenderShare / 16 of the grid sends: 6, 7 and 8 measured 185.5, 180.5 and
-// 181.7 µs at 4096 tokens in one call (docs/PERF.md, session 6).
-constexpr int kSenderShare = 7;
+// data on the link. kSenderShare / 16 of the grid sends: 6, 7, 8 and 9 measured 187.5, 178.6, 177.1
+// and 177.8 µs at 4096 tokens (two benches each in one call, docs/PERF.md session 12; with a fixed
+// task stride instead of claims, session 6 measured 185.5, 180.5 and 181.7 for 6, 7 and 8).
+constexpr int kSenderShare = 8;
 MORI_DEVICE int CombSenders(int tasks) {
   const int grid = int(gridDim.x);
   return tasks <= grid ? grid : max(1, grid * kSenderShare / 16);
