@@ -8,14 +8,10 @@ namespace mori::ep {
 
 using plat::vec16_t;
 
-// Sync-word layout of the local `sync` region (u64 words; kernel-only).
-// kCombSendNext / kCombSumNext: the combine's next task to send / range to sum (claim counters;
-// reset by its last block).
-// kErrClaim: how many threads have failed since the last reset (RecordError; only the first reports).
-enum SyncWord : int { kDispBlocks = 0, kCombSendNext = 1, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5, kCombSumNext = 6, kErrClaim = 7 };
 constexpr int kMaxPeers = sizeof(EpArgs::peerBase) / sizeof(uint64_t);
-// WaitId, ErrCode, XdbRow, FlagUnit and Stamp (the phase-timestamp slots; one thread's store each,
-// negligible cost) are generated into ep_generated.hpp: the host decodes them too.
+// WaitId, ErrCode, XdbRow, SyncWord (the local `sync` region's words), FlagUnit and Stamp (the
+// phase-timestamp slots; one thread's store each, negligible cost) are generated into
+// ep_generated.hpp: the host decodes them or sizes their regions by them.
 
 template <typename P>
 MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {

@@ -13,6 +13,8 @@ enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineDone = 2, kWaitCombi
 enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52, kErrPeerShortInput = 0x50534852 };
 // Rows of the cross-device `xdb` region, each indexed by the writing rank.
 enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1, kXdbNumTok = 2 };
+// Words of the local `sync` region (u64, kernel-only; word 3 is free).
+enum SyncWord : int { kDispBlocks = 0, kCombSendNext = 1, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5, kCombSumNext = 6, kErrClaim = 7 };
 // How far a cross-device counter moves per epoch.
 enum FlagUnit : uint64_t { kDispatchDoneUnit = 0x100000 };
 // Phase-timestamp slots of the `stamps` region (globaltimer ns of the last call).
@@ -72,7 +74,7 @@ struct EpArgs {
   uint64_t off_comb_recv_wts;  // combine weights pushed by peers [ws, M, k] f32 (written by peers)
   uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers)
   uint64_t off_xdb;  // cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count
-  uint64_t off_sync;  // local sync words [8] u64: block counters, device-side epochs, the error-report claim
+  uint64_t off_sync;  // local sync words [SyncWord] u64: block counters, claim counters, device-side epochs, the error-report claim
   uint64_t off_stamps;  // phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)
 };
 static_assert(offsetof(EpArgs, inpTok) == 0, "EpArgs.inpTok moved");

@@ -78,6 +78,22 @@ class XdbRow(CConst):
     kXdbNumTok = 2  # token count of the writer's last dispatch
 
 
+class SyncWord(CConst):
+    """Words of the local `sync` region (u64, kernel-only; word 3 is free)."""
+
+    kDispBlocks = 0  # the dispatch's arrived-block count (its last block resets it)
+    kCombSendNext = 1  # the combine's next send task to claim (reset by its last block)
+    kCombBlocks = 2  # the combine's arrived-block count (its last block resets it)
+    kDispEpoch = 4  # the last dispatch's epoch (device-side: no host sync)
+    kCombEpoch = 5  # the last combine's epoch
+    kCombSumNext = 6  # the combine's next range to sum (reset by its last block)
+    kErrClaim = 7  # threads that failed since the last reset (RecordError; only the first reports)
+
+
+#: Words of the `sync` region.
+EP_SYNC_WORDS = max(SyncWord) + 1
+
+
 class FlagUnit(_U64Const):
     """How far a cross-device counter moves per epoch."""
 
@@ -192,7 +208,7 @@ EP_REGIONS: dict[str, str] = {
     "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers)",
     "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers)",
     "xdb": "cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count",
-    "sync": "local sync words [8] u64: block counters, the combine's send and sum claim counters, device-side epochs, the error-report claim",
+    "sync": "local sync words [SyncWord] u64: block counters, claim counters, device-side epochs, the error-report claim",
     "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
 }
 
@@ -212,7 +228,7 @@ EP_ARGS = ArgsSchema("EpArgs", [
 ])
 
 register_header(GeneratedHeader(
-    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[WaitId, ErrCode, XdbRow, FlagUnit, Stamp], cfgs=[EpCfg],
+    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[WaitId, ErrCode, XdbRow, SyncWord, FlagUnit, Stamp], cfgs=[EpCfg],
     derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpSummable, EpIsValid],
     args=[EP_ARGS]))
 
@@ -225,7 +241,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
         "src_to_recv": ws * m * 8,
         "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * 4, "comb_flags": ws * m * 8,
-        "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": 8 * 8, "stamps": EP_STAMP_WORDS * 8,
+        "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": EP_SYNC_WORDS * 8, "stamps": EP_STAMP_WORDS * 8,
     }
 
 
