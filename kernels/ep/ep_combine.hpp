@@ -51,7 +51,7 @@ struct SendPlan {
 // A block's sender state: the current task's slots and first-pass rows (in registers), and the
 // slots of the task after it. A block's first two tasks are fixed (b and b + senders); later ones are
 // claimed from a counter, so blocks whose pushes run faster take more (with a fixed stride the first
-// and last sender ended 25 us apart at 4096 tokens). Claims run well ahead of use: thread 0 issues
+// and last sender ended 25 µs apart at 4096 tokens). Claims run well ahead of use: thread 0 issues
 // one at a task's barrier, publishes its value in shared memory at the next barrier, and every
 // thread reads it at the task after (no thread waits on the atomic).
 template <EpCfg kCfg>
@@ -70,7 +70,7 @@ struct Sender {
   const uint32_t dispTag;
   Slots cur;
   int nextTask, nextSlot;  // the task after the current one, and its slots
-  int pending;  // thread 0: the claim issued at the last barrier, published at the next
+  int pending;  // thread 0 only: the claim issued at the last barrier, published at the next
   int* const claims;  // shared: published claims, double buffered (a barrier between write and read)
   int barriers = 0;
   vec16_t buf[P::kPerPass];
