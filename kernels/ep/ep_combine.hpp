@@ -102,8 +102,9 @@ struct Sender {
   MORI_DEVICE int Dest(int q) const { return (args.rank + 1 + q % kDests) % kWs; }
   // Lane i < kRangeTok: this rank's row of token t0 + i of task q's peer; -1 if that token was not
   // routed here this epoch or the task is empty, kShortSlot if its row lies beyond a short input
-  // (this rank's host is told by block 0, the peer by the range flag). Loaded two tasks ahead, but
-  // decoded at once, so the wave still waits for the load here (PERF.md session 11, lead E).
+  // (this rank's host is told by block 0, the peer by the range flag). Loaded two tasks ahead and
+  // decoded at once: the wave waits for the load here, but deferring the decode a task (lead E)
+  // measured no faster (PERF.md session 12).
   MORI_DEVICE int TaskSlot(int q) const {
     const int lane = plat::lane_id(), d = Dest(q), t = q / kDests * kRangeTok + lane;
     if (lane >= kRangeTok || q >= numTasks || t >= kM) return -1;

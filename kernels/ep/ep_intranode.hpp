@@ -31,9 +31,10 @@
 // this task's stores. A summer claims the next range of its own tokens from a counter, waits for
 // every peer's flag of it, then sums each token's rows in fp32: its own straight from the input,
 // the peers' from comb_recv. Every rank walks the ranges in the same order, so the sums of the
-// first ranges overlap the transfer of the last: with more than one task per block, 7/16 of the
-// blocks send while the rest sum, and senders join the summing when their pushes are done;
-// otherwise every block sends its task, then sums. Before its first store, a sender waits until
+// first ranges overlap the transfer of the last: with more than one task per block, half the
+// blocks send (each claims its tasks after its first two from a counter, in order) while the rest
+// sum, and senders join the summing when their pushes are done; otherwise every block sends its
+// task, then sums. Before its first store, a sender waits until
 // the peer has finished its previous combine. A block counts itself done as soon as its last
 // loads are in registers, before its last output stores; the last of a rank's blocks to count
 // publishes combine-done on every peer (what the peers' next dispatch and combine wait for) and
