@@ -76,15 +76,25 @@ struct Sender {
   vec16_t buf[P::kPerPass];
   float w[P::kWtsPer];
 
-  MORI_DEVICE Sender(const EpArgs& a, uint64_t tgt, bool wts, int tasks, int senders, int* shared)
+  // first: FirstEntry(), issued by the caller before the token counts that decide `tasks` arrive.
+  MORI_DEVICE Sender(const EpArgs& a, uint64_t tgt, bool wts, int tasks, int senders, int* shared, uint64_t first)
       : args(a), target(tgt), withWeights(wts), numTasks(tasks), stride(senders),
         numTok(XdbFlags(a, a.rank, kXdbNumTok)), srcToRecv(At<uint64_t>(a, a.rank, a.off_src_to_recv)),
         dispTag(uint32_t(SyncWords(a)[kDispEpoch])), claims(shared) {
-    cur = Spread(TaskSlot(blockIdx.x));
+    if (threadIdx.x == 0) pending = Claim();
+    cur = Spread(Decode(blockIdx.x, first));
+    // The first task's rows before the second task's entry is decoded (the combine-done wait guards
+    // only the stores): the start's chain of dependent loads is the counts, then the rows.
+    LoadPass(0);
     nextTask = blockIdx.x + stride;
     nextSlot = TaskSlot(nextTask);
-    if (threadIdx.x == 0) pending = Claim();
-    LoadPass(0);  // the first task's rows: the combine-done wait guards only the stores
+  }
+  // The reverse-map entry of this block's first task (lane < kRangeTok), loaded with no dependence
+  // on the token counts: every address it may form lies inside the map.
+  MORI_DEVICE static uint64_t FirstEntry(const EpArgs& a) {
+    const int lane = plat::lane_id(), q = int(blockIdx.x), t = q / kDests * kRangeTok + lane;
+    if (lane >= kRangeTok || t >= kM) return 0;
+    return At<uint64_t>(a, a.rank, a.off_src_to_recv)[DestOf(a.rank, q) * kM + t];
   }
   // A task index past the fixed ones (numTasks, i.e. none, when the fixed ones cover every task).
   MORI_DEVICE int Claim() const {
@@ -99,16 +109,22 @@ struct Sender {
   }
   // The task after next (every thread; published at the last barrier). Call once per barrier.
   MORI_DEVICE int Claimed() { return claims[barriers++ & 1]; }
-  MORI_DEVICE int Dest(int q) const { return (args.rank + 1 + q % kDests) % kWs; }
+  MORI_DEVICE static int DestOf(int rank, int q) { return (rank + 1 + q % kDests) % kWs; }
+  MORI_DEVICE int Dest(int q) const { return DestOf(args.rank, q); }
   // Lane i < kRangeTok: this rank's row of token t0 + i of task q's peer; -1 if that token was not
   // routed here this epoch or the task is empty, kShortSlot if its row lies beyond a short input
   // (this rank's host is told by block 0, the peer by the range flag). Loaded two tasks ahead and
   // decoded at once: the wave waits for the load here, but deferring the decode a task (lead E)
   // measured no faster (PERF.md session 12).
   MORI_DEVICE int TaskSlot(int q) const {
+    const int lane = plat::lane_id(), t = q / kDests * kRangeTok + lane;
+    if (lane >= kRangeTok || q >= numTasks || t >= kM) return -1;
+    return Decode(q, srcToRecv[Dest(q) * kM + t]);  // issued without waiting for numTok: both are loads
+  }
+  // TaskSlot's answer from the entry e of task q's lane.
+  MORI_DEVICE int Decode(int q, uint64_t e) const {
     const int lane = plat::lane_id(), d = Dest(q), t = q / kDests * kRangeTok + lane;
     if (lane >= kRangeTok || q >= numTasks || t >= kM) return -1;
-    const uint64_t e = srcToRecv[d * kM + t];  // issued without waiting for numTok: both are loads
     const int slot = int(uint32_t(e));
     return t >= int(numTok[d]) || uint32_t(e >> 32) != dispTag ? -1 : slot < args.inpRows ? slot : kShortSlot;
   }
@@ -340,6 +356,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
       RecordError(args, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(args.inpRows));
   }
 
+  const uint64_t firstEntry = kWs > 1 ? Sender<kCfg>::FirstEntry(args) : 0;  // in flight with the counts
   const uint64_t* numTok = XdbFlags(args, rank, kXdbNumTok);  // each peer's dispatch n (its ranges)
   int maxRanges = 0;
 #pragma unroll
@@ -349,7 +366,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   const int numTasks = maxRanges * Sender<kCfg>::kDests, senders = CombSenders(numTasks), grid = int(gridDim.x);
   if (kWs > 1 && int(blockIdx.x) < senders && int(blockIdx.x) < numTasks) {  // one rank: no senders
     __shared__ int sendClaims[2];
-    Sender<kCfg> sender(args, target, sendWeights, numTasks, senders, sendClaims);
+    Sender<kCfg> sender(args, target, sendWeights, numTasks, senders, sendClaims, firstEntry);
     // Before the first store: comb_recv on a peer is free once its previous combine is done.
     if (threadIdx.x < kWs && threadIdx.x != rank)
       WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target - 1, kWaitCombineDone, threadIdx.x);
