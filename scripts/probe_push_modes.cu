@@ -1,7 +1,10 @@
-// Peer push rates of three ways to move the EP op's bytes over NVLink, both GPUs pushing at once
+// Peer push rates of the ways to move the EP op's bytes over NVLink, both GPUs pushing at once
 // (the combine's pattern), 58.5 MB each way by default:
 //   st128  SM threads: 16-byte streaming loads of local rows, 16-byte stores into the peer's buffer
 //          (the dispatch's and the combine's senders), at several grids x waves per block;
+//   task   (and t_cs, t_wt, t_noal, t_rsys, t_fenc) SM threads pushing whole 28 KB tasks, the
+//          combine sender's unit, with each store cache operator, and with the sender's per-task
+//          release (t_fenc), on 66 and 132 blocks of 16 waves;
 //   tma    one thread per block drives the bulk-copy (TMA) unit: a row is loaded into shared
 //          memory (cp.async.bulk + mbarrier) and stored to the peer (cp.async.bulk.global.shared),
 //          kStages rows in flight per block, at several grids;
@@ -10,9 +13,9 @@
 // event time (launch included), and over the slower GPU's in-kernel span (the first block's start
 // to the last block's end, after a system fence: the stores have landed). The destination is
 // poisoned before each mode and checked against the source after it (every byte, random data).
-// Results: docs/bench/session10/run2/ and docs/PERF.md (session 10).
+// Results: docs/bench/session10/run2/, docs/bench/session13/run4/ and docs/PERF.md (sessions 10, 13).
 //
-//   nvcc -O3 -arch=sm_90a -o /tmp/probe_push scripts/probe_push_modes.cu && /tmp/probe_push [MB]
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/probe_push scripts/probe_push_modes.cu && /tmp/probe_push [MB]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #define CK(x)                                                                                  \
@@ -53,6 +57,52 @@ __global__ void st128(const uint4* __restrict__ src, uint4* dst, size_t n, unsig
   for (size_t v = blockIdx.x * size_t(blockDim.x) + threadIdx.x; v < n; v += size_t(gridDim.x) * blockDim.x)
     dst[v] = __ldcs(src + v);
   __threadfence_system();  // the stores have landed: the span covers the acknowledgements
+  stamp_end(span);
+}
+
+// Store variants (session 13): does the cache operator of an SM's 16-byte peer store change the
+// link's rate? Each block pushes whole 28 KB tasks (two rows, contiguous at the destination, the
+// combine sender's unit), its threads spread flat over the task's vectors, four in flight each.
+// kFenced: plain stores, then the sender's per-task release (a barrier, thread 0's system fence and
+// a release store of a flag, here a local word), so the rate with and without that wait can be
+// compared.
+enum StoreOp { kPlain, kCs, kWt, kNoAlloc, kRelaxedSys, kFenced };
+template <StoreOp kOp>
+__device__ void store16(uint4* p, uint4 v) {
+  if constexpr (kOp == kPlain || kOp == kFenced) *p = v;
+  if constexpr (kOp == kCs) __stcs(p, v);
+  if constexpr (kOp == kWt) __stwt(p, v);
+  if constexpr (kOp == kNoAlloc)
+    asm volatile("st.global.L1::no_allocate.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w) : "memory");
+  if constexpr (kOp == kRelaxedSys)
+    asm volatile("st.relaxed.sys.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w) : "memory");
+}
+template <StoreOp kOp>
+__global__ void tasks(const uint4* __restrict__ src, uint4* dst, size_t n, unsigned long long* span) {
+  constexpr int kTaskVecs = 2 * kRowBytes / 16, kPer = 4;
+  stamp_start(span);
+  const size_t numTasks = n / kTaskVecs;
+  for (size_t q = blockIdx.x; q < numTasks; q += gridDim.x) {
+    uint4 buf[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int v = u * blockDim.x + threadIdx.x;
+      if (v < kTaskVecs) buf[u] = __ldcs(src + q * kTaskVecs + v);
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int v = u * blockDim.x + threadIdx.x;
+      if (v < kTaskVecs) store16<kOp>(dst + q * kTaskVecs + v, buf[u]);
+    }
+    if constexpr (kOp == kFenced) {
+      __syncthreads();
+      if (threadIdx.x == 0)  // the fence waits for this block's peer stores; span[2] is a spare word
+        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(span + 2), "l"(uint64_t(q)) : "memory");
+    }
+  }
+  __threadfence_system();
   stamp_end(span);
 }
 
@@ -174,7 +224,7 @@ int main(int argc, char** argv) {
     CK(cudaDeviceEnablePeerAccess(1 - d, 0));
     CK(cudaMalloc(&g[d].src, bytes));
     CK(cudaMalloc(&g[d].dst, bytes));
-    CK(cudaMalloc(&g[d].span, 2 * sizeof(unsigned long long)));
+    CK(cudaMalloc(&g[d].span, 3 * sizeof(unsigned long long)));  // [2]: the fenced tasks' flag
     CK(cudaMemset(g[d].dst, 0xA5, bytes));
     std::vector<uint32_t> h(bytes / 4);
     uint32_t x = 12345u + 777u * d;
@@ -186,11 +236,12 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(tma, cudaFuncAttributeMaxDynamicSharedMemorySize, kStages * kRowBytes));
   }
   printf("rows %d of %d B = %.1f MB each way, both GPUs pushing\n", rows, kRowBytes, bytes / 1e6);
-  auto report = [&](const char* mode, int grid, int warps, Times t) {
-    const bool ok = check(g, bytes);
+  auto report = [&](const char* mode, int grid, int warps, Times t, size_t moved = 0) {
+    if (!moved) moved = bytes;
+    const bool ok = check(g, moved);
     printf("%-6s grid %4d x %2d warps  event %8.1f us %6.1f GB/s   in-kernel %8.1f us %6.1f GB/s  %s\n", mode, grid,
-           warps, t.event_ms * 1e3, bytes / (t.event_ms * 1e-3) / 1e9, t.span_ms * 1e3,
-           t.span_ms > 0 ? bytes / (t.span_ms * 1e-3) / 1e9 : 0.0, ok ? "ok" : "WRONG");
+           warps, t.event_ms * 1e3, moved / (t.event_ms * 1e-3) / 1e9, t.span_ms * 1e3,
+           t.span_ms > 0 ? moved / (t.span_ms * 1e-3) / 1e9 : 0.0, ok ? "ok" : "WRONG");
     if (!ok) exit(3);
   };
   const int geos[][2] = {{58, 16}, {132, 16}, {132, 8}, {132, 6}, {132, 4}, {132, 2}, {264, 8}};
@@ -201,6 +252,25 @@ int main(int argc, char** argv) {
     });
     report("st128", gw[0], gw[1], t);
   }
+  // whole-task pushes (n rounded down to whole tasks: the check covers what was sent)
+  const size_t taskBytes = bytes / (2 * kRowBytes) * (2 * kRowBytes);
+  auto task_modes = [&](auto op, const char* name) {
+    for (int grid : {66, 132}) {
+      const Times t = time_both(g, [&](int d) {
+        tasks<decltype(op)::value><<<grid, 512, 0, g[d].st>>>(reinterpret_cast<uint4*>(g[d].src),
+                                                                reinterpret_cast<uint4*>(g[1 - d].dst), taskBytes / 16,
+                                                                g[d].span);
+      });
+      report(name, grid, 16, t, taskBytes);
+    }
+  };
+  task_modes(std::integral_constant<StoreOp, kPlain>{}, "task");
+  task_modes(std::integral_constant<StoreOp, kCs>{}, "t_cs");
+  task_modes(std::integral_constant<StoreOp, kWt>{}, "t_wt");
+  task_modes(std::integral_constant<StoreOp, kNoAlloc>{}, "t_noal");
+  task_modes(std::integral_constant<StoreOp, kRelaxedSys>{}, "t_rsys");
+  task_modes(std::integral_constant<StoreOp, kFenced>{}, "t_fenc");
+  task_modes(std::integral_constant<StoreOp, kPlain>{}, "task");
   for (int grid : {8, 16, 32, 66, 132}) {
     const Times t = time_both(g, [&](int d) {
       tma<<<grid, 32, kStages * kRowBytes, g[d].st>>>(g[d].src, g[1 - d].dst, rows, g[d].span);
