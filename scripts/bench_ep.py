@@ -427,7 +427,7 @@ def report(path: str) -> str:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+        fig, ax = plt.subplots(2, 2, figsize=(12, 9))
         for li, leg in enumerate(sorted({r["leg"] for r in data["results"]})):
             rs = [r for r in data["results"] if r["leg"] == leg and "geometry" not in r]
             xs = [r["tokens"] for r in rs]
@@ -441,8 +441,15 @@ def report(path: str) -> str:
             ax[0][col].set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="µs", title=f"{name} latency")
             ax[1][col].set(xscale="log", xlabel="tokens per rank", ylabel="% of link ceiling",
                            title=f"{name} link utilisation")
-            ax[0][col].legend(fontsize=6), ax[1][col].legend(fontsize=6)
-        fig.tight_layout()
+            ax[1][col].axhline(85, ls="--", lw=0.8, color="gray", label="85 % (the 4096-token target)")
+        ticks = sorted({r["tokens"] for r in data["results"]})
+        for a in ax.flat:  # the measured sizes as plain labels (a log axis's minor labels collide)
+            a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            a.set_xticks(ticks, [str(t) for t in ticks])
+        # one legend for the four panels, below them (inside, it covered the lines)
+        handles, labels = ax[1][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
         fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
     except ImportError:
         md += "\n\n(matplotlib missing: no plot)"
