@@ -60,19 +60,17 @@ def _job(rank, ws, n, reps):
         op.combine(inp, weights=r[1], routing=r[5], out=y, out_weights=yw)  # fills the combine's args struct,
         torch.cuda.synchronize()  # which the bare driver launches below reuse
         op.check()
-        # the bound launch of this bucket's combine (a closure variable of the backend's combine)
-        cells = dict(zip(ks.combine.__code__.co_freevars, (c.cell_contents for c in ks.combine.__closure__)))
-        bound = cells["comb_launch"][v]
-        bc = dict(zip(bound.__code__.co_freevars, (c.cell_contents for c in bound.__closure__)))
-        kp_addr, launch, stream = bc["kp_addr"], bc["launch"], bc["stream"]
-        lc = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__)))
+        # this bucket's bound combine launch, and what it hands the driver
+        bound = ks.bound_launches["combine"][v]
+        plan = bound.plan
+        kp_addr = ctypes.addressof(bound.params)
         from cuda.bindings import driver as drv
-        st = stream()
-        cs, fn = drv.CUstream(st), lc["fn"]
+        st = plan.runtime.current_stream(plan.device)
+        cs, fn = drv.CUstream(st), plan.function
         cl = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
         cl.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         cl.restype = ctypes.c_int
-        fint, gx, bx, shm = int(fn), lc["gx"], lc["bx"], lc["shm"]
+        fint, gx, bx, shm = int(fn), plan.grid[0], plan.block[0], plan.shared_bytes
         t = _timer(reps)
         for rnd in range(2):
             print(f"--- round {rnd}")

@@ -137,6 +137,7 @@ def test_bound_struct_launch_sees_each_rewrite_and_checks_the_layout_once():
     plan = _plan(AXPY, AxpyCfg(), rt)
     s = plan.args(x=16, y=32, a=1.0, n=3)
     launch = plan.bind_struct(s)
+    assert launch.plan is plan and launch.struct is s  # what diagnostics read off the callable
     launch()
     s.n, s.a = 7, -0.5  # rewritten in place: the next call launches the new values
     launch()

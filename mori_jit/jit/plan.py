@@ -389,7 +389,8 @@ class Plan:
         """A zero-argument launch of this kernel with ``struct``, the fastest path: the struct is
         checked and its address captured once, so each call is the stream lookup and the driver
         call. Rewrite the struct's fields between calls (the driver copies them at each launch).
-        The callable keeps ``struct`` alive."""
+        The callable keeps ``struct`` alive; for diagnostics it carries ``.plan`` (this plan),
+        ``.struct`` and ``.params`` (the one-pointer array whose address the driver is given)."""
         if type(struct) is not self._ctype:
             _check_struct_type(struct, self.layout, self.schema.size, self.name)
         kp = (ctypes.c_void_p * 1)(ctypes.addressof(struct))
@@ -397,7 +398,7 @@ class Plan:
 
         def launch_bound() -> None:
             launch(stream(), kp_addr)
-        launch_bound.struct, launch_bound.params = struct, kp  # type: ignore[attr-defined]  (kept alive)
+        launch_bound.plan, launch_bound.struct, launch_bound.params = self, struct, kp  # type: ignore[attr-defined]
         return launch_bound
 
 

@@ -212,4 +212,5 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
                          capabilities=frozenset({"graph", "zero_copy_combine"}),
-                         check=check, reset=reset, staging_view=staging_view, close=close)
+                         check=check, reset=reset, staging_view=staging_view, close=close,
+                         bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)})
