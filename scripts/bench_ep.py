@@ -158,7 +158,7 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     all_counts = [torch.empty_like(counts) for _ in range(ws)]
     dist.all_gather(all_counts, counts)
     in_splits, out_splits = counts.tolist(), [int(c[rank]) for c in all_counts]
-    ebd, ebc = torch.empty((), dtype=disp_t).element_size(), torch.empty((), dtype=comb_t).element_size()
+    ebd = torch.empty((), dtype=disp_t).element_size()
     # NCCL has no fp8 type: move bytes, as the op does
     fwd_in = torch.randint(0, 255, (sum(in_splits), hidden * ebd), dtype=torch.uint8, device=dev)
     fwd_out = torch.empty(sum(out_splits), hidden * ebd, dtype=torch.uint8, device=dev)

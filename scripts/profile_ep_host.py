@@ -42,6 +42,7 @@ def _job(rank, ws, n, reps):
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
     from mori_jit.ops.ep import op as opmod
     from mori_jit.ops.ep.backend_hip import CombineOutputs
+    from mori_jit.ops.ep.cfg import COMBINE
 
     dev = torch.device("cuda", 0)
     hidden, k = 7168, 8
@@ -61,7 +62,7 @@ def _job(rank, ws, n, reps):
         torch.cuda.synchronize()  # which the bare driver launches below reuse
         op.check()
         # this bucket's bound combine launch, and what it hands the driver
-        bound = ks.bound_launches["combine"][v]
+        bound = ks.bound_launches[COMBINE][v]
         plan = bound.plan
         kp_addr = ctypes.addressof(bound.params)
         from cuda.bindings import driver as drv

@@ -90,6 +90,20 @@ EM_AMDGPU = 224
 STT_FUNC = 2
 
 
+def toolchain_or_skip(arch: str):
+    """The real toolchain for ``arch``; skips the test (with the reason) only when its compiler is
+    not installed, so any other toolchain error still fails it."""
+    import pytest
+
+    from mori_jit.jit.toolchain import ToolchainError, make_toolchain
+    try:
+        return make_toolchain(arch)
+    except ToolchainError as e:
+        if " found (tried " in str(e):
+            pytest.skip(f"compiler for {arch} absent: {e}")
+        raise
+
+
 def nvcc_ptx(toolchain, src: Path, out: Path, include_dirs: list[Path] = ()) -> str:
     """The PTX nvcc makes of ``src`` with the toolchain's own command and flags (``--ptx`` in place
     of ``--cubin``); asserts the compile succeeded."""

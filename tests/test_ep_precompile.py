@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jit_helpers import toolchain_or_skip
 from mori_jit.cli import main
 from mori_jit.jit import cache
 from mori_jit.jit.compile import build, resolve
 from mori_jit.jit.fields import ConfigError
-from mori_jit.jit.toolchain import ToolchainError, make_toolchain
+from mori_jit.jit.toolchain import make_toolchain
 from mori_jit.ops.ep import EpDispatchCombineConfig
 from mori_jit.ops.ep.variants import config_from_strings, plan_requests
 
@@ -64,10 +65,7 @@ _PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (FP8
 
 @pytest.mark.parametrize("arch,compiler", [("sm_90a", "nvcc"), ("gfx90a", "hipcc")])
 def test_real_compilers_build_every_ep_kernel(arch, compiler):
-    try:
-        tc = make_toolchain(arch)
-    except ToolchainError as e:
-        pytest.skip(f"{compiler} not installed: {e}")
+    tc = toolchain_or_skip(arch)
     built = set()
     for disp, comb in _PAIRS:
         cfg = EpDispatchCombineConfig(rank=0, world_size=8, hidden_dim=7168, max_num_inp_token_per_rank=128,
@@ -89,10 +87,7 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
     one wave (two weights per thread) are paths the default geometries never instantiate."""
     import dataclasses
 
-    try:
-        tc = make_toolchain(arch)
-    except ToolchainError as e:
-        pytest.skip(f"{compiler} not installed: {e}")
+    tc = toolchain_or_skip(arch)
     built = set()
     for k, warps in ((8, 1), (8, 4), (32, 1)):
         cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64,
@@ -117,10 +112,7 @@ def test_nvcc_combine_phase_stamps_are_fire_and_forget(tmp_path):
     from jit_helpers import nvcc_ptx
     from mori_jit.jit.paths import kernels_dir
 
-    try:
-        tc = make_toolchain("sm_90a")
-    except ToolchainError as e:
-        pytest.skip(f"nvcc not installed: {e}")
+    tc = toolchain_or_skip("sm_90a")
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=128,
                                   num_experts_per_rank=128, num_experts_per_token=8, data_type=torch.bfloat16)
     spec, c = next((s, c) for s, c in plan_requests(cfg, "sm_90a", 132) if "combine" in s.entry_name(c))

@@ -18,23 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from jit_helpers import (BUNDLE_MAGIC, EM_AMDGPU, EM_CUDA, STT_FUNC, elf_header, elf_symbols, nvcc_ptx, unbundle)
+from jit_helpers import (BUNDLE_MAGIC, EM_AMDGPU, EM_CUDA, STT_FUNC, elf_header, elf_symbols, nvcc_ptx,
+                         toolchain_or_skip, unbundle)
 from mori_jit.examples.axpy_spec import AXPY, AxpyDType, AxpyElemBytes
 from mori_jit.jit import cache
 from mori_jit.jit.compile import build
-from mori_jit.jit.toolchain import ToolchainError, make_toolchain
 
 # EF_AMDGPU_MACH_* values (llvm/BinaryFormat/ELF.h)
 AMDGPU_MACH = {"gfx90a": 0x3F, "gfx940": 0x40}
-
-
-def _toolchain_or_skip(arch: str):
-    try:
-        return make_toolchain(arch)
-    except ToolchainError as e:
-        if " found (tried " in str(e):
-            pytest.skip(f"compiler for {arch} absent: {e}")
-        raise
 
 
 def _bundler() -> str | None:
@@ -50,7 +41,7 @@ def _axpy_cfg(tc, dtype):
 
 @pytest.mark.parametrize("dtype", list(AxpyDType), ids=lambda d: d.name)
 def test_nvcc_builds_axpy(dtype):
-    tc = _toolchain_or_skip("sm_90a")
+    tc = toolchain_or_skip("sm_90a")
     cfg = _axpy_cfg(tc, dtype)
     entry = build(AXPY, cfg, tc)
     data = entry.binary.read_bytes()
@@ -64,7 +55,7 @@ def test_nvcc_builds_axpy(dtype):
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx940"])
 @pytest.mark.parametrize("dtype", list(AxpyDType), ids=lambda d: d.name)
 def test_hipcc_builds_axpy(arch, dtype, tmp_path):
-    tc = _toolchain_or_skip(arch)
+    tc = toolchain_or_skip(arch)
     cfg = _axpy_cfg(tc, dtype)
     entry = build(AXPY, cfg, tc)
     data = entry.binary.read_bytes()
@@ -93,7 +84,7 @@ def test_nvcc_builds_the_push_probe(tmp_path):
     """scripts/probe_push_modes.cu (a standalone device-run record tool) still builds, and its
     bulk-copy kernel really uses the bulk-copy unit (the `tma` rows of docs/PERF.md session 10) and its
     task kernels the store each row of session 13 names."""
-    tc = _toolchain_or_skip("sm_90a")
+    tc = toolchain_or_skip("sm_90a")
     src = Path(__file__).resolve().parents[1] / "scripts" / "probe_push_modes.cu"
     text = nvcc_ptx(tc, src, tmp_path / "probe.ptx")
     assert "cp.async.bulk.global.shared::cta.bulk_group" in text and "cp.async.bulk.shared::cluster.global" in text

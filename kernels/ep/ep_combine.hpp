@@ -374,7 +374,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     __syncthreads();  // the acquire above, then the barrier, order every thread's stores below
     if constexpr (plat::kFenceEveryWave) plat::fence_system();
     for (int q = blockIdx.x; q < numTasks; q = sender.Send(q)) {}
-    if (threadIdx.x == 0) plat::max_relaxed_device(At<uint64_t>(args, rank, args.off_stamps) + kStCombSent, plat::now_ns());
+    if (threadIdx.x == 0) StampMax(args, kStCombSent, plat::now_ns());
   }
   unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext);  // the sums' claim counter
   // The block's end, once it has read everything it will (its inputs, comb_recv, the claim
@@ -387,9 +387,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     const uint64_t summed = plat::now_ns();
     const bool last = LastBlockArrives(args, kCombBlocks);
     if (threadIdx.x == 0 && seen) {  // (after the count: its release would wait for these atomics)
-      uint64_t* stamps = At<uint64_t>(args, rank, args.off_stamps);
-      plat::max_relaxed_device(stamps + kStCombFlagsSeen, seen);
-      plat::max_relaxed_device(stamps + kStCombSummed, summed);
+      StampMax(args, kStCombFlagsSeen, seen);
+      StampMax(args, kStCombSummed, summed);
     }
     if (!last) return;
     if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);

@@ -20,6 +20,8 @@ MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {
 
 MORI_DEVICE uint64_t* SyncWords(const EpArgs& a) { return At<uint64_t>(a, a.rank, a.off_sync); }
 MORI_DEVICE void StampAt(const EpArgs& a, Stamp s) { At<uint64_t>(a, a.rank, a.off_stamps)[s] = plat::now_ns(); }
+// The latest of several blocks' times t at slot s (fire and forget).
+MORI_DEVICE void StampMax(const EpArgs& a, Stamp s, uint64_t t) { plat::max_relaxed_device(At<uint64_t>(a, a.rank, a.off_stamps) + s, t); }
 MORI_DEVICE uint64_t* XdbFlags(const EpArgs& a, int pe, int row) {
   return At<uint64_t>(a, pe, a.off_xdb) + row * kMaxPeers;
 }

@@ -34,11 +34,11 @@
 // first ranges overlap the transfer of the last: with more than one task per block, half the
 // blocks send (each claims its tasks after its first two from a counter, in order) while the rest
 // sum, and senders join the summing when their pushes are done; otherwise every block sends its
-// task, then sums. Before its first store, a sender waits until
-// the peer has finished its previous combine. A block counts itself done as soon as its last
-// loads are in registers, before its last output stores; the last of a rank's blocks to count
-// publishes combine-done on every peer (what the peers' next dispatch and combine wait for) and
-// advances the combine epoch, so neither waits for the output stores to drain.
+// task, then sums. Before its first store, a sender waits until the peer has finished its previous
+// combine. A block counts itself done as soon as its last loads are in registers, before its last
+// output stores; the last of a rank's blocks to count publishes combine-done on every peer (what
+// the peers' next dispatch and combine wait for) and advances the combine epoch, so neither waits
+// for the output stores to drain.
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.
