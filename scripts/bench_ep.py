@@ -177,7 +177,7 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
 #: since the kernel's start: (label, stamp, start stamp).
 PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDispStart),
           ("disp: block 0 copies done", Stamp.kStDispLoopDone, Stamp.kStDispStart),
-          ("disp: all blocks arrived", Stamp.kStDispAllArrived, Stamp.kStDispStart),
+          ("disp: last block's done count sent", Stamp.kStDispAllArrived, Stamp.kStDispStart),
           ("disp: peers' done flags seen", Stamp.kStDispPeersDone, Stamp.kStDispStart),
           ("disp: end", Stamp.kStDispEnd, Stamp.kStDispStart),
           ("gap: disp end -> comb start", Stamp.kStCombStart, Stamp.kStDispEnd),
@@ -185,7 +185,7 @@ PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDis
           ("comb: last sender done", Stamp.kStCombSent, Stamp.kStCombStart),
           ("comb: last summer saw its flags", Stamp.kStCombFlagsSeen, Stamp.kStCombStart),
           ("comb: last summer done", Stamp.kStCombSummed, Stamp.kStCombStart),
-          ("comb: end (done flags sent)", Stamp.kStCombEnd, Stamp.kStCombStart)]
+          ("comb: last block's done counts sent", Stamp.kStCombEnd, Stamp.kStCombStart)]
 
 
 def _phase_profile(op, g_disp, g_comb, reps: int = 15, queued: bool = False) -> dict:

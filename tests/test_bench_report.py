@@ -70,6 +70,6 @@ def test_phase_times_are_medians_and_skip_stamps_never_written():
         r[Stamp.kStCombStart], r[Stamp.kStCombEnd] = 2_000_000, 2_000_000 + 7_500
         rows.append(r)
     got = bench.phase_times(rows)
-    assert got["disp: end"] == 6.0 and got["comb: end (done flags sent)"] == 7.5
+    assert got["disp: end"] == 6.0 and got["comb: last block's done counts sent"] == 7.5
     assert got["gap: disp end -> comb start"] == 2_000_000 / 1e3 - 1_000_000 / 1e3 - 6.0
     assert "comb: last sender done" not in got and "disp: block 0 claimed its slots" not in got

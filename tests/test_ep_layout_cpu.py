@@ -67,12 +67,23 @@ def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
     assert max(Stamp) < EP_STAMP_WORDS and len(set(Stamp)) == len(Stamp.__members__)
 
 
+def test_sync_words_leave_room_for_the_parity_pairs():
+    from mori_jit.ops.ep.cfg import EP_SYNC_WORDS, SyncWord
+
+    # a claim counter is two words (word + epoch parity): its second word is no other word
+    pairs = {SyncWord.kCombSendNext, SyncWord.kCombSumNext}
+    used = [int(w) for w in SyncWord] + [int(w) + 1 for w in pairs]
+    assert len(set(used)) == len(used) and max(used) < EP_SYNC_WORDS
+    assert region_bytes(EpCfg(worldSize=2), EpCfg(worldSize=2))["sync"] == EP_SYNC_WORDS * 8
+
+
 def test_device_errors_decode_to_which_wait_which_rank_which_peer():
     timeout = [0x4D4F5249, (1 << 48) | (1 << 32) | (0 << 16), 7 << 20, 0]
     msg = decode_error(timeout, 0)
     assert "rank 0: dispatch" in msg and "from rank 1 timed out" in msg
     assert f"never reached {7 << 20} = {1 << 20} x dispatch epoch 7" in msg
-    assert "never reached 7)" in decode_error([0x4D4F5249, (2 << 48) | (1 << 32), 7, 0], 0)  # combine-done
+    done = decode_error([0x4D4F5249, (2 << 48) | (1 << 32), 3 << 20, 0], 0)  # combine-done
+    assert "finish its previous combine" in done and f"never reached {3 << 20} = {1 << 20} x combine epoch 3" in done
     ranges = [0x4D4F5249, (3 << 48) | (0 << 32) | (1 << 16), 9, 0]
     assert "rank 1: combine: waiting for a peer's rows of a token range" in decode_error(ranges, 1)
     assert "from rank 0 timed out" in decode_error(ranges, 1)

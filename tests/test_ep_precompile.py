@@ -119,5 +119,6 @@ def test_nvcc_combine_phase_stamps_are_fire_and_forget(tmp_path):
     src = tmp_path / "combine.cu"
     src.write_text(spec.render_source(c, tc))
     text = nvcc_ptx(tc, src, tmp_path / "combine.ptx", [kernels_dir()])
-    assert len(re.findall(r"red\.relaxed\.gpu\.global\.max\.u64", text)) == 3  # sent, flags seen, summed
+    assert len(re.findall(r"red\.relaxed\.gpu\.global\.max\.u64", text)) == 5  # sent; flags seen, summed, end
+    # (where a block ends after its sums), and end again (where it summed nothing)
     assert not re.search(r"atom(\.[a-z:]+)*\.max", text), "a returning atomic max is back in the combine"

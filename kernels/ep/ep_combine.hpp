@@ -99,7 +99,8 @@ struct Sender {
   // A task index past the fixed ones (numTasks, i.e. none, when the fixed ones cover every task).
   MORI_DEVICE int Claim() const {
     if (numTasks <= 2 * stride) return numTasks;
-    return 2 * stride + int(plat::atomic_add_device(reinterpret_cast<unsigned*>(SyncWords(args) + kCombSendNext), 1u));
+    unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(args) + kCombSendNext + (target & 1));  // (by epoch parity)
+    return 2 * stride + int(plat::atomic_add_device(ctr, 1u));
   }
   // Thread 0, before each of the block's barriers: publish the last claim, issue the next.
   MORI_DEVICE void Publish() {
@@ -344,13 +345,17 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   constexpr int kWs = kCfg.worldSize;
   const int rank = args.rank;
   uint64_t* sync = SyncWords(args);
-  const uint64_t target = sync[kCombEpoch] + 1;
+  const uint64_t target = CombEpoch(args) + 1;
+  const int parity = int(target & 1);
   // Every rank passes weights, or none does: a rank with n = 0 (possibly null y_w) still sends its
   // rows' weights to their home ranks.
   const bool sendWeights = kCfg.useWeights && args.inpWeights != nullptr;
   const bool sumWeights = sendWeights && args.outWeights != nullptr;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     StampAt(args, kStCombStart);
+    // The next combine's claim counters: the last combine that used them is done (stream order).
+    sync[kCombSendNext + (parity ^ 1)] = 0;
+    sync[kCombSumNext + (parity ^ 1)] = 0;
     const int total = *At<int>(args, rank, args.off_total_recv);
     if (total > args.inpRows)  // the rows beyond the caller's tensor are skipped; tell the host
       RecordError(args, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(args.inpRows));
@@ -369,35 +374,32 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     Sender<kCfg> sender(args, target, sendWeights, numTasks, senders, sendClaims, firstEntry);
     // Before the first store: comb_recv on a peer is free once its previous combine is done.
     if (threadIdx.x < kWs && threadIdx.x != rank)
-      WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, target - 1, kWaitCombineDone, threadIdx.x);
+      WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, (target - 1) * kDoneUnit, kWaitCombineDone,
+                  threadIdx.x);
     sender.Publish();
     __syncthreads();  // the acquire above, then the barrier, order every thread's stores below
     if constexpr (plat::kFenceEveryWave) plat::fence_system();
     for (int q = blockIdx.x; q < numTasks; q = sender.Send(q)) {}
     if (threadIdx.x == 0) StampMax(args, kStCombSent, plat::now_ns());
   }
-  unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext);  // the sums' claim counter
-  // The block's end, once it has read everything it will (its inputs, comb_recv, the claim
-  // counter): it counts itself; the last local block then tells every peer (combine-done: a peer's
-  // next dispatch, which writes this rank's arena, where the input or the weights may lie, and its
-  // next combine, which writes comb_recv, wait for it before their first store here), resets the
-  // claim counter and advances the epoch (every block read it at its start). seen: when this block
-  // last saw a range's flags (0: it summed none).
+  unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext + parity);  // the sums' claim counter
+  // The block's end, once it has read everything it will (its inputs and comb_recv, all in this
+  // GPU's memory; it writes nothing a peer reads): its share of kDoneUnit goes to this rank's
+  // combine-done counter on every rank. A peer's next dispatch, which writes this rank's arena
+  // (where the input or the weights may lie), and its next combine, which writes comb_recv, wait
+  // for the unit before their first store here; this rank's own counter is its combine epoch. No
+  // block waits for another. seen: when this block last saw a range's flags (0: it summed none).
   auto finish = [&](uint64_t seen) {
     const uint64_t summed = plat::now_ns();
-    const bool last = LastBlockArrives(args, kCombBlocks);
-    if (threadIdx.x == 0 && seen) {  // (after the count: its release would wait for these atomics)
+    FenceBlockLoadsDevice();  // every load of this block, before the counts that free its memory
+    if (threadIdx.x != 0) return;
+    const uint64_t share = BlockShare();
+    for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbCombine) + rank, share);
+    if (seen) {  // (after the counts: the fence before them would wait for these atomics)
       StampMax(args, kStCombFlagsSeen, seen);
       StampMax(args, kStCombSummed, summed);
     }
-    if (!last) return;
-    if (threadIdx.x < kWs) plat::store_release_system(XdbFlags(args, threadIdx.x, kXdbCombine) + rank, target);
-    if (threadIdx.x == 0) {
-      *next = 0;  // every block made its last claims before counting itself (if claims were used)
-      sync[kCombSendNext] = 0;
-      sync[kCombEpoch] = target;
-      StampAt(args, kStCombEnd);
-    }
+    StampMax(args, kStCombEnd, plat::now_ns());
   };
   // Sum. With dedicated senders, ranges are claimed in order from a counter, so the senders take
   // their share of the last ranges when their pushes are done; the next claim is in flight while a

@@ -1,5 +1,5 @@
 // What both EP kernels share: arena addressing, the sync words and cross-device flags, phase
-// stamps, bounded spin-waits, the grid-wide last-block count, and the copy loops' work item.
+// stamps, bounded spin-waits, the blocks' shares of a done count, and the copy loops' work item.
 #pragma once
 #include "common/types.hpp"
 #include "ep/ep_generated.hpp"
@@ -53,32 +53,34 @@ MORI_DEVICE uint64_t WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t
   return v;
 }
 
-// Make the block's stores (to peers too) visible system-wide before thread 0's next access. Where
-// the platform allows (plat::kFenceEveryWave false), that is one fence by thread 0 after the
-// barrier (cumulative over the block's stores); otherwise every wave fences its own first.
-MORI_DEVICE void FenceBlockStoresSystem() {
+// Order the block's earlier accesses (its stores, to peers too, and its loads) system-wide before
+// thread 0's next access. Where the platform allows (plat::kFenceEveryWave false), that is one
+// fence by thread 0 after the barrier (cumulative over the block's accesses); otherwise every wave
+// fences its own first.
+MORI_DEVICE void FenceBlockSystem() {
   if constexpr (plat::kFenceEveryWave) plat::fence_system();
   __syncthreads();
   if (threadIdx.x == 0) plat::fence_system();
 }
 
-// True in exactly one block: the last one to arrive at counter `word` (which it resets). The count
-// is a device-scope acquire-release: every block's earlier accesses (the reads of buffers the peers
-// will overwrite, say) precede it, and the last block's count, which saw all the others, precedes
-// whatever that block does next (the system-scope release stores that follow carry the other
-// blocks' accesses to the peers by causality).
-MORI_DEVICE bool LastBlockArrives(const EpArgs& a, int word) {
-  __shared__ int last;
+// Order the block's earlier loads of this GPU's own memory before thread 0's next access: a relaxed
+// system-scope count that lets a peer overwrite that memory may follow. A loaded value cannot
+// change once the load is performed at device scope (at this GPU's L2, where a peer's stores land
+// too), so a device-scope fence is enough; the system-scope one took 1.4 us here against 0.4
+// (PERF.md session 14). NCCL returns a receive credit (postPeer) with no fence at all.
+MORI_DEVICE void FenceBlockLoadsDevice() {
   if constexpr (plat::kFenceEveryWave) plat::fence_device();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(a) + word);
-    last = plat::atomic_add_acq_rel_device(ctr, 1u) == gridDim.x - 1;
-    if (last) *ctr = 0;
-  }
-  __syncthreads();
-  return last;
+  if (threadIdx.x == 0) plat::fence_device();
 }
+
+// This block's share of a done counter's kDoneUnit: a rank's blocks add the unit in all per epoch,
+// whatever its grid, so no block waits for the others to count (a launch's partial sum stays below
+// a unit, so count / kDoneUnit is the epochs done even while a launch is adding).
+MORI_DEVICE uint64_t BlockShare() { return blockIdx.x == 0 ? kDoneUnit - (gridDim.x - 1) : 1; }
+// The combines done on this rank: its own combine-done count, in units (read at a kernel's start:
+// the shares of its own blocks cannot make a unit).
+MORI_DEVICE uint64_t CombEpoch(const EpArgs& a) { return XdbFlags(a, a.rank, kXdbCombine)[a.rank] / kDoneUnit; }
 
 // The work item of both kernels' copy loops: one chunk of a token's row, kW * vecUnroll 16-byte
 // vectors (one load per unroll slot per lane), so a row is kChunks items.

@@ -120,7 +120,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   // claim; the claim's closing barrier orders the wait before every copy.
   if (threadIdx.x >= blockDim.x - kWs) {
     const int pe = threadIdx.x - (blockDim.x - kWs);
-    WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + pe, sync[kCombEpoch], kWaitCombineDone, pe);
+    WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + pe, CombEpoch(args) * kDoneUnit, kWaitCombineDone, pe);
   }
   __shared__ DispatchRound<kCfg> round;
   const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
@@ -158,24 +158,23 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   }
 
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
-  // Every block tells every peer that its rows are there: once the block's stores are visible
-  // system-wide, one relaxed add per peer (block 0 first publishes this rank's token count), sized
-  // so that a rank's blocks add kDispatchDoneUnit per epoch whatever its grid (FlagUnit). No block
-  // waits for another before its news leaves, so the peers' waits overlap this rank's own count.
+  // Every block tells every rank (this one too) that its rows are there: once the block's stores
+  // are visible system-wide, one relaxed add per rank (block 0 first publishes this rank's token
+  // count), its share of kDoneUnit (BlockShare). No block waits for another before its news leaves.
   if (threadIdx.x == 0 && blockIdx.x == 0)  // (n bounds each peer's combine sends to this rank)
     for (int pe = 0; pe < kWs; ++pe) XdbFlags(args, pe, kXdbNumTok)[rank] = uint64_t(n);
-  FenceBlockStoresSystem();
+  FenceBlockSystem();
   if (threadIdx.x == 0) {
-    const uint64_t add = blockIdx.x == 0 ? kDispatchDoneUnit - (gridDim.x - 1) : 1;
-    for (int pe = 0; pe < kWs; ++pe)
-      if (pe != rank) plat::add_relaxed_system(XdbFlags(args, pe, kXdbDispatch) + rank, add);
+    const uint64_t share = BlockShare();
+    for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbDispatch) + rank, share);
+    StampMax(args, kStDispAllArrived, plat::now_ns());
   }
-  // Last block: wait for every peer's blocks, then publish the count and advance the epoch (every
-  // block has read it: all have arrived).
-  if (!LastBlockArrives(args, kDispBlocks)) return;
-  if (threadIdx.x == 0) StampAt(args, kStDispAllArrived);
-  if (threadIdx.x < kWs && int(threadIdx.x) != rank)
-    WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target * kDispatchDoneUnit, kWaitDispatchDone,
+  // Block 0: wait until every rank's blocks are done (this rank's too: then every block here has
+  // read the epoch and made its claims), then publish the count and advance the epoch. One wait
+  // covers the local blocks and the peers at once.
+  if (blockIdx.x != 0) return;
+  if (threadIdx.x < kWs)
+    WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target * kDoneUnit, kWaitDispatchDone,
                 threadIdx.x);
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -13,10 +13,10 @@ enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineDone = 2, kWaitCombi
 enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52, kErrPeerShortInput = 0x50534852 };
 // Rows of the cross-device `xdb` region, each indexed by the writing rank.
 enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1, kXdbNumTok = 2 };
-// Words of the local `sync` region (u64, kernel-only; word 3 is free).
-enum SyncWord : int { kDispBlocks = 0, kCombSendNext = 1, kCombBlocks = 2, kDispEpoch = 4, kCombEpoch = 5, kCombSumNext = 6, kErrClaim = 7 };
-// How far a cross-device counter moves per epoch.
-enum FlagUnit : uint64_t { kDispatchDoneUnit = 0x100000 };
+// Words of the local `sync` region (u64, kernel-only; a claim counter is two, by epoch parity).
+enum SyncWord : int { kDispEpoch = 0, kCombSendNext = 1, kCombSumNext = 3, kErrClaim = 5 };
+// How far a done counter moves per epoch.
+enum FlagUnit : uint64_t { kDoneUnit = 0x100000 };
 // Phase-timestamp slots of the `stamps` region (globaltimer ns of the last call).
 enum Stamp : int { kStDispStart = 0, kStDispLoopDone = 1, kStDispAllArrived = 2, kStDispPeersDone = 3, kStDispEnd = 4, kStDispClaimed = 5, kStCombStart = 8, kStCombFirstRange = 9, kStCombSent = 10, kStCombSummed = 11, kStCombEnd = 12, kStCombFlagsSeen = 13 };
 

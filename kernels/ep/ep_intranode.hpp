@@ -15,10 +15,10 @@
 //    reverse-map entry. A wave's first chunk is loaded before the claim, overlapping its round trip.
 // Before its first copy, each block waits (normally one load) until every peer has finished its
 // last combine, which may still read rows in this rank's target regions. When its copies are done,
-// each block fences them system-wide and adds to its rank's dispatch-done counter on every peer
-// (kDispatchDoneUnit per epoch from all the rank's blocks together; block 0 first publishes the
-// token count). The last local block to finish waits for every peer's counter, then publishes
-// total_recv and advances the epoch on the device (graph replays stay correct). Each sent row also
+// each block fences them system-wide and adds its share to its rank's dispatch-done counter on
+// every rank, its own too (kDoneUnit per epoch from all the rank's blocks together; block 0 first
+// publishes the token count). Block 0 then waits for every rank's counter, publishes total_recv
+// and advances the epoch on the device (graph replays stay correct). Each sent row also
 // records on its destination where it landed (src_to_recv, tagged with the epoch), for the
 // combine's senders.
 //
@@ -36,9 +36,10 @@
 // sum, and senders join the summing when their pushes are done; otherwise every block sends its
 // task, then sums. Before its first store, a sender waits until the peer has finished its previous
 // combine. A block counts itself done as soon as its last loads are in registers, before its last
-// output stores; the last of a rank's blocks to count publishes combine-done on every peer (what
-// the peers' next dispatch and combine wait for) and advances the combine epoch, so neither waits
-// for the output stores to drain.
+// output stores: its share of kDoneUnit goes to its rank's combine-done counter on every rank (what
+// the peers' next dispatch and combine wait for; the rank's own counts its combine epochs); no
+// block waits for another, and none for the output stores to drain. The claim
+// counters come in pairs by epoch parity: a combine resets the next one's at its start.
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.

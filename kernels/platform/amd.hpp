@@ -43,11 +43,6 @@ MORI_DEVICE int atomic_add_system(int* p, int v) {
 MORI_DEVICE unsigned atomic_add_device(unsigned* p, unsigned v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
-// Acquire-release: the caller's earlier accesses (and the block's, after a barrier) precede the
-// count, and its later ones follow every count it saw.
-MORI_DEVICE unsigned atomic_add_acq_rel_device(unsigned* p, unsigned v) {
-  return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
-}
 MORI_DEVICE int atomic_add_shared(int* p, int v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
 }

@@ -31,17 +31,10 @@ MORI_DEVICE int popcount(uint64_t m) { return __popcll(m); }
 // grid-sync pattern).
 constexpr bool kFenceEveryWave = false;
 MORI_DEVICE void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-MORI_DEVICE void fence_device() { __threadfence(); }
+MORI_DEVICE void fence_device() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 MORI_DEVICE int atomic_add_system(int* p, int v) { return atomicAdd_system(p, v); }
 MORI_DEVICE unsigned atomic_add_device(unsigned* p, unsigned v) { return atomicAdd(p, v); }
-// Acquire-release: the caller's earlier accesses (and the block's, after a barrier) precede the
-// count, and its later ones follow every count it saw.
-MORI_DEVICE unsigned atomic_add_acq_rel_device(unsigned* p, unsigned v) {
-  unsigned old;
-  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
 MORI_DEVICE int atomic_add_shared(int* p, int v) { return atomicAdd_block(p, v); }
 // Fire and forget (`red`: no value comes back, so the thread never waits for it). atomicMax on
 // a generic pointer compiles to an ATOM whose shared-window predicate the thread waits for: two

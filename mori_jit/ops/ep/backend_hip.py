@@ -29,7 +29,7 @@ __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSA
 
 #: What each spin-wait of the kernels waits for (every WaitId has one; a CPU test checks).
 WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispatch-done count",
-                 WaitId.kWaitCombineDone: "waiting for a peer to finish its previous combine (combine-done flag)",
+                 WaitId.kWaitCombineDone: "waiting for a peer to finish its previous combine (combine-done count)",
                  WaitId.kWaitCombineRange: "combine: waiting for a peer's rows of a token range (range-ready flag)"}
 # Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots).
 _SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync")
@@ -52,9 +52,9 @@ def decode_error(words: list[int], rank: int) -> str:
     if code == ErrCode.kErrTimeout:
         wait, peer, who = detail >> 48, (detail >> 32) & 0xFFFF, (detail >> 16) & 0xFFFF
         # how far each word moves per epoch: a range flag 2 (its low bit carries a short input), a
-        # dispatch-done count kDispatchDoneUnit, the combine-done flag 1
-        unit, what = {WaitId.kWaitCombineRange: (2, "combine"),
-                      WaitId.kWaitDispatchDone: (FlagUnit.kDispatchDoneUnit, "dispatch")}.get(wait, (1, ""))
+        # done count kDoneUnit
+        unit, what = {WaitId.kWaitCombineRange: (2, "combine"), WaitId.kWaitCombineDone: (FlagUnit.kDoneUnit, "combine"),
+                      WaitId.kWaitDispatchDone: (FlagUnit.kDoneUnit, "dispatch")}.get(wait, (1, ""))
         goal = f"{extra} = {int(unit)} x {what} epoch {extra // unit}" if unit > 1 else f"{extra}"
         return (f"rank {who}: {WAIT_MESSAGES.get(wait, f'wait {wait}')} from rank {peer} timed out after "
                 f"MORI_EP_TIMEOUT_S (flag never reached {goal}); a peer skipped or is stuck in a collective")

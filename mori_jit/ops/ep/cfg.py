@@ -73,21 +73,21 @@ class ErrCode(_U64Const):
 class XdbRow(CConst):
     """Rows of the cross-device `xdb` region, each indexed by the writing rank."""
 
-    kXdbDispatch = 0  # dispatch done (a count: FlagUnit.kDispatchDoneUnit per epoch)
-    kXdbCombine = 1  # combine done reading (epoch)
+    kXdbDispatch = 0  # dispatch done (a count: FlagUnit.kDoneUnit per epoch)
+    kXdbCombine = 1  # combine done reading (a count: FlagUnit.kDoneUnit per epoch)
     kXdbNumTok = 2  # token count of the writer's last dispatch
 
 
 class SyncWord(CConst):
-    """Words of the local `sync` region (u64, kernel-only; word 3 is free)."""
+    """Words of the local `sync` region (u64, kernel-only; a claim counter is two, by epoch parity).
 
-    kDispBlocks = 0  # the dispatch's arrived-block count (its last block resets it)
-    kCombSendNext = 1  # the combine's next send task to claim (reset by its last block)
-    kCombBlocks = 2  # the combine's arrived-block count (its last block resets it)
-    kDispEpoch = 4  # the last dispatch's epoch (device-side: no host sync)
-    kCombEpoch = 5  # the last combine's epoch
-    kCombSumNext = 6  # the combine's next range to sum (reset by its last block)
-    kErrClaim = 7  # threads that failed since the last reset (RecordError; only the first reports)
+    A combine resets the other parity's claim counters at its start (the last combine that used
+    them is done, by stream order), so no block has to wait for the others to reset them."""
+
+    kDispEpoch = 0  # the last dispatch's epoch (device-side: no host sync)
+    kCombSendNext = 1  # (and word 2) the combine's next send task to claim, by epoch parity
+    kCombSumNext = 3  # (and word 4) the combine's next range to sum, by epoch parity
+    kErrClaim = 5  # threads that failed since the last reset (RecordError; only the first reports)
 
 
 #: Words of the `sync` region.
@@ -95,11 +95,12 @@ EP_SYNC_WORDS = max(SyncWord) + 1
 
 
 class FlagUnit(_U64Const):
-    """How far a cross-device counter moves per epoch."""
+    """How far a done counter moves per epoch."""
 
-    # a rank's dispatch-done counter on each peer: its blocks add this in all per epoch, whatever
-    # its grid (block 0 adds kDispatchDoneUnit - (grid - 1), every other block 1)
-    kDispatchDoneUnit = 1 << 20
+    # a rank's dispatch-done and combine-done counters (on every rank, its own too: its own
+    # combine-done count is its combine epoch): its blocks add this in all per epoch, whatever its
+    # grid (block 0 adds kDoneUnit - (grid - 1), every other block 1), so no block waits for another
+    kDoneUnit = 1 << 20
 
 
 class Stamp(CConst):
@@ -107,7 +108,7 @@ class Stamp(CConst):
 
     kStDispStart = 0
     kStDispLoopDone = 1
-    kStDispAllArrived = 2
+    kStDispAllArrived = 2  # the latest block's done count sent (atomic max)
     kStDispPeersDone = 3
     kStDispEnd = 4
     kStDispClaimed = 5
@@ -115,7 +116,7 @@ class Stamp(CConst):
     kStCombFirstRange = 9
     kStCombSent = 10  # the latest sender's finish (atomic max)
     kStCombSummed = 11  # the latest block's sums computed, before its last output stores (atomic max)
-    kStCombEnd = 12
+    kStCombEnd = 12  # the latest block's done counts sent (atomic max)
     kStCombFlagsSeen = 13  # the latest time a summer saw all its range's flags (atomic max)
 
 
