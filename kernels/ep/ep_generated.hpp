@@ -74,7 +74,7 @@ struct EpArgs {
   uint64_t off_comb_recv_wts;  // combine weights pushed by peers [ws, M, k] f32 (written by peers)
   uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers)
   uint64_t off_xdb;  // cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count
-  uint64_t off_sync;  // local sync words [SyncWord] u64: block counters, claim counters, device-side epochs, the error-report claim
+  uint64_t off_sync;  // local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim
   uint64_t off_stamps;  // phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)
 };
 static_assert(offsetof(EpArgs, inpTok) == 0, "EpArgs.inpTok moved");

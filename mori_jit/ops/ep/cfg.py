@@ -209,7 +209,7 @@ EP_REGIONS: dict[str, str] = {
     "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers)",
     "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers)",
     "xdb": "cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count",
-    "sync": "local sync words [SyncWord] u64: block counters, claim counters, device-side epochs, the error-report claim",
+    "sync": "local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim",
     "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
 }
 
