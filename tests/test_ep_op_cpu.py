@@ -134,6 +134,7 @@ def test_combine_refuses_byte_dtypes():
     ({"numExpertPerToken": 33}, "topk"),
     ({"maxRecv": 3, "worldSize": 2}, "worst case"),
     ({"warpPerBlock": 40}, "<= 1024"),
+    ({"blockNum": 1 << 20}, "done counter's unit"),
 ])
 def test_ep_cfg_validity_is_a_construction_error(request_, rule):
     with pytest.raises(ConfigError, match=rule):

@@ -172,6 +172,8 @@ _RULES: list[tuple[Any, str]] = [
      "maxRecv must be 0 or cover the worst case worldSize*maxTokPerRank"),
     (C.waveSize.eq(32) | C.waveSize.eq(64), "waveSize must be 32 or 64"),
     (C.blockNum >= 1, "blockNum must be >= 1"),
+    (C.blockNum < int(FlagUnit.kDoneUnit),
+     f"blockNum must be < {int(FlagUnit.kDoneUnit)} (a done counter's unit per epoch: block 0 adds it minus the other blocks' 1s)"),
     (C.warpPerBlock >= 1, "warpPerBlock must be >= 1"),
     (EpBlockThreads <= EP_MAX_BLOCK_THREADS, f"warpPerBlock*waveSize must be <= {EP_MAX_BLOCK_THREADS}"),
     ((C.vecUnroll >= 1) & (C.vecUnroll <= 8), "vecUnroll must be in 1..8"),
