@@ -177,7 +177,7 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
 #: since the kernel's start: (label, stamp, start stamp).
 PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDispStart),
           ("disp: block 0 copies done", Stamp.kStDispLoopDone, Stamp.kStDispStart),
-          ("disp: last block's done count sent", Stamp.kStDispAllArrived, Stamp.kStDispStart),
+          ("disp: last block's done count sent", Stamp.kStDispCounted, Stamp.kStDispStart),
           ("disp: peers' done flags seen", Stamp.kStDispPeersDone, Stamp.kStDispStart),
           ("disp: end", Stamp.kStDispEnd, Stamp.kStDispStart),
           ("gap: disp end -> comb start", Stamp.kStCombStart, Stamp.kStDispEnd),

@@ -167,7 +167,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   if (threadIdx.x == 0) {
     const uint64_t share = BlockShare();
     for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbDispatch) + rank, share);
-    StampMax(args, kStDispAllArrived, plat::now_ns());
+    StampMax(args, kStDispCounted, plat::now_ns());
   }
   // Block 0: wait until every rank's blocks are done (this rank's too: then every block here has
   // read the epoch and made its claims), then publish the count and advance the epoch. One wait

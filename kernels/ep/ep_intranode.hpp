@@ -38,8 +38,8 @@
 // combine. A block counts itself done as soon as its last loads are in registers, before its last
 // output stores: its share of kDoneUnit goes to its rank's combine-done counter on every rank (what
 // the peers' next dispatch and combine wait for; the rank's own counts its combine epochs); no
-// block waits for another, and none for the output stores to drain. The claim
-// counters come in pairs by epoch parity: a combine resets the next one's at its start.
+// block waits for another, and none for the output stores to drain. The claim counters come in
+// pairs by epoch parity: a combine resets the next one's at its start.
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.

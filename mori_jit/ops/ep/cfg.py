@@ -108,7 +108,7 @@ class Stamp(CConst):
 
     kStDispStart = 0
     kStDispLoopDone = 1
-    kStDispAllArrived = 2  # the latest block's done count sent (atomic max)
+    kStDispCounted = 2  # the latest block's done count sent (atomic max)
     kStDispPeersDone = 3
     kStDispEnd = 4
     kStDispClaimed = 5
