@@ -68,11 +68,10 @@ def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
 
 
 def test_sync_words_leave_room_for_the_parity_pairs():
-    from mori_jit.ops.ep.cfg import EP_SYNC_WORDS, SyncWord
+    from mori_jit.ops.ep.cfg import EP_SYNC_WORDS, SYNC_PAIRS, SyncWord
 
     # a claim counter is two words (word + epoch parity): its second word is no other word
-    pairs = {SyncWord.kCombSendNext, SyncWord.kCombSumNext}
-    used = [int(w) for w in SyncWord] + [int(w) + 1 for w in pairs]
+    used = [int(w) for w in SyncWord] + [int(w) + 1 for w in SYNC_PAIRS]
     assert len(set(used)) == len(used) and max(used) < EP_SYNC_WORDS
     assert region_bytes(EpCfg(worldSize=2), EpCfg(worldSize=2))["sync"] == EP_SYNC_WORDS * 8
 

@@ -99,8 +99,7 @@ struct Sender {
   // A task index past the fixed ones (numTasks, i.e. none, when the fixed ones cover every task).
   MORI_DEVICE int Claim() const {
     if (numTasks <= 2 * stride) return numTasks;
-    unsigned* ctr = reinterpret_cast<unsigned*>(SyncWords(args) + kCombSendNext + (target & 1));  // (by epoch parity)
-    return 2 * stride + int(plat::atomic_add_device(ctr, 1u));
+    return 2 * stride + int(plat::atomic_add_device(Claims(SyncWords(args), kCombSendNext, int(target & 1)), 1u));
   }
   // Thread 0, before each of the block's barriers: publish the last claim, issue the next.
   MORI_DEVICE void Publish() {
@@ -354,8 +353,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     StampAt(args, kStCombStart);
     // The next combine's claim counters: the last combine that used them is done (stream order).
-    sync[kCombSendNext + (parity ^ 1)] = 0;
-    sync[kCombSumNext + (parity ^ 1)] = 0;
+    *ClaimWord(sync, kCombSendNext, parity ^ 1) = 0;
+    *ClaimWord(sync, kCombSumNext, parity ^ 1) = 0;
     const int total = *At<int>(args, rank, args.off_total_recv);
     if (total > args.inpRows)  // the rows beyond the caller's tensor are skipped; tell the host
       RecordError(args, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(args.inpRows));
@@ -382,7 +381,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     for (int q = blockIdx.x; q < numTasks; q = sender.Send(q)) {}
     if (threadIdx.x == 0) StampMax(args, kStCombSent, plat::now_ns());
   }
-  unsigned* next = reinterpret_cast<unsigned*>(sync + kCombSumNext + parity);  // the sums' claim counter
+  unsigned* next = Claims(sync, kCombSumNext, parity);  // the sums' claim counter
   // The block's end, once it has read everything it will (its inputs and comb_recv, all in this
   // GPU's memory; it writes nothing a peer reads): its share of kDoneUnit goes to this rank's
   // combine-done counter on every rank. A peer's next dispatch, which writes this rank's arena

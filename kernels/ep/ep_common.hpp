@@ -19,6 +19,10 @@ MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {
 }
 
 MORI_DEVICE uint64_t* SyncWords(const EpArgs& a) { return At<uint64_t>(a, a.rank, a.off_sync); }
+// The word of claim counter w (a pair of the sync words) that a combine of epoch parity p (its
+// epoch & 1) uses; the count is its low 32 bits (Claims).
+MORI_DEVICE uint64_t* ClaimWord(uint64_t* sync, SyncWord w, int p) { return sync + (w + p); }
+MORI_DEVICE unsigned* Claims(uint64_t* sync, SyncWord w, int p) { return reinterpret_cast<unsigned*>(ClaimWord(sync, w, p)); }
 MORI_DEVICE void StampAt(const EpArgs& a, Stamp s) { At<uint64_t>(a, a.rank, a.off_stamps)[s] = plat::now_ns(); }
 // The latest of several blocks' times t at slot s (fire and forget).
 MORI_DEVICE void StampMax(const EpArgs& a, Stamp s, uint64_t t) { plat::max_relaxed_device(At<uint64_t>(a, a.rank, a.off_stamps) + s, t); }

@@ -90,8 +90,10 @@ class SyncWord(CConst):
     kErrClaim = 5  # threads that failed since the last reset (RecordError; only the first reports)
 
 
-#: Words of the `sync` region.
-EP_SYNC_WORDS = max(SyncWord) + 1
+#: The claim counters: two words each (the word and the next), by epoch parity.
+SYNC_PAIRS = (SyncWord.kCombSendNext, SyncWord.kCombSumNext)
+#: Words of the `sync` region (a pair's second word included).
+EP_SYNC_WORDS = max(*SyncWord, *(w + 1 for w in SYNC_PAIRS)) + 1
 
 
 class FlagUnit(_U64Const):
