@@ -203,6 +203,10 @@ struct Sender {
 // Where one work item's rows come from: one source per rank its token went to (its own row
 // straight from the input, a peer's from comb_recv, where that peer pushed it), and this lane's
 // weight (lane < k) of each. `flat` is the token's forward-map entry on lane j < k (-1 elsewhere).
+// With `prefetchV0` >= 0, this lane's vectors of the own row (prefetchV0, + waveSize, ...) are
+// hinted into L2 as soon as the row is known: the input was complete at the kernel's start, so its
+// HBM latency can pass while the wave waits for the peers' flags. (Loading it into registers there
+// instead delayed the poll: PERF.md session 14, run 5.)
 template <EpCfg kCfg>
 struct ItemSources {
   static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
@@ -210,7 +214,7 @@ struct ItemSources {
   const vec16_t* row[kWs];
   const float* w[kWs];
   int n = 0;
-  MORI_DEVICE ItemSources(const EpArgs& args, bool sumWeights, int flat, int t) {
+  MORI_DEVICE ItemSources(const EpArgs& args, bool sumWeights, int flat, int t, int prefetchV0 = -1) {
     const int rank = args.rank, lane = plat::lane_id();
     const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
     const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
@@ -221,6 +225,10 @@ struct ItemSources {
       const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
       if (pe == rank && slot >= args.inpRows) continue;  // short input (reported): never read past it
       const vec16_t* r = pe == rank ? in + size_t(slot) * kVecs : recv + size_t(pe * kM + t) * kVecs;
+      if (pe == rank && prefetchV0 >= 0)
+#pragma unroll
+        for (int u = 0; u < kCfg.vecUnroll; ++u)
+          if (prefetchV0 + u * kCfg.waveSize < kVecs) plat::prefetch_l2(r + prefetchV0 + u * kCfg.waveSize);
       // (formed only with weights: the input's weights pointer may be null otherwise)
       const float* wp = !sumWeights ? nullptr
                         : (pe == rank ? args.inpWeights + size_t(slot) * kK : recvW + size_t(pe * kM + t) * kK) + lane;
@@ -252,7 +260,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   // out before the wait: after it, that arithmetic cost 0.6-0.8 us of issue (every wave of the
   // block runs it at once, four to a scheduler).
   ItemSources<kCfg> src(args, sumWeights, wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1,
-                        t0 + wave / kChunks);
+                        t0 + wave / kChunks, (wave % kChunks) * kChunkVecs + lane);
   // One poller per peer and block (a poller per wave measured slower: the polls load the memory
   // system the senders use).
   if (threadIdx.x < kWs && threadIdx.x != rank) {

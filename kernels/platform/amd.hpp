@@ -72,5 +72,8 @@ MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __builtin_nontemporal_sto
 // release): nontemporal (glc/slc) so no stale line is hit.
 MORI_DEVICE vec16_t load_peer(const vec16_t* p) { return __builtin_nontemporal_load(p); }
 MORI_DEVICE float load_peer_f32(const float* p) { return __builtin_nontemporal_load(p); }
+// A hint to bring p's line into L2 ahead of a load. gfx9 has no global prefetch instruction, and a
+// load into a dead register would make the wave wait for it at its next s_waitcnt: nothing.
+MORI_DEVICE void prefetch_l2(const void*) {}
 
 }  // namespace mori::plat
