@@ -1,7 +1,7 @@
 """``mori-jit precompile --ep ...`` builds exactly the binaries a live hip op asks for (fake toolchain),
 and the real compilers build every EP kernel for every dtype pair at the default geometries, and the
 combine at the edge geometries its sender's pass split was written for; nvcc's PTX of the combine
-has its phase stamps as fire-and-forget reductions."""
+has its phase stamps as fire-and-forget reductions and its own-row L2 hints before the flag wait."""
 from __future__ import annotations
 
 import pytest
@@ -102,13 +102,9 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
     assert len(built) == 3, sorted(built)
 
 
-def test_nvcc_combine_phase_stamps_are_fire_and_forget(tmp_path):
-    """The combine's phase stamps are `red` reductions (PERF.md session 11): an `atomicMax` on a
-    generic pointer compiled to an `atom` whose result the thread waited for, which held each
-    summing block's first wave ~1.2 us before its last output stores. Checked in the PTX of the
-    combine as the op renders it (sm_90a)."""
-    import re
-
+@pytest.fixture(scope="module")
+def combine_ptx(tmp_path_factory) -> str:
+    """nvcc's PTX of the EP2 bf16 combine as the op renders it (sm_90a, the 128-token variant)."""
     from jit_helpers import nvcc_ptx
     from mori_jit.jit.paths import kernels_dir
 
@@ -116,9 +112,31 @@ def test_nvcc_combine_phase_stamps_are_fire_and_forget(tmp_path):
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=128,
                                   num_experts_per_rank=128, num_experts_per_token=8, data_type=torch.bfloat16)
     spec, c = next((s, c) for s, c in plan_requests(cfg, "sm_90a", 132) if "combine" in s.entry_name(c))
-    src = tmp_path / "combine.cu"
+    tmp = tmp_path_factory.mktemp("combine_ptx")
+    src = tmp / "combine.cu"
     src.write_text(spec.render_source(c, tc))
-    text = nvcc_ptx(tc, src, tmp_path / "combine.ptx", [kernels_dir()])
-    assert len(re.findall(r"red\.relaxed\.gpu\.global\.max\.u64", text)) == 5  # sent; flags seen, summed, end
+    return nvcc_ptx(tc, src, tmp / "combine.ptx", [kernels_dir()])
+
+
+def test_nvcc_combine_phase_stamps_are_fire_and_forget(combine_ptx):
+    """The combine's phase stamps are `red` reductions (PERF.md session 11): an `atomicMax` on a
+    generic pointer compiled to an `atom` whose result the thread waited for, which held each
+    summing block's first wave ~1.2 us before its last output stores."""
+    import re
+
+    assert len(re.findall(r"red\.relaxed\.gpu\.global\.max\.u64", combine_ptx)) == 5  # sent; flags seen, summed, end
     # (where a block ends after its sums), and end again (where it summed nothing)
-    assert not re.search(r"atom(\.[a-z:]+)*\.max", text), "a returning atomic max is back in the combine"
+    assert not re.search(r"atom(\.[a-z:]+)*\.max", combine_ptx), "a returning atomic max is back in the combine"
+
+
+def test_nvcc_combine_hints_own_row_into_l2_before_the_flag_wait(combine_ptx):
+    """A summing wave hints its lanes' vectors of the own row into L2 (one `prefetch.global.L2` per
+    unroll slot, 4 at this Cfg) before it polls the range flags: PERF.md session 15, run 1. The
+    hints come before the last acquire poll in the text (the range-flag wait; the sender's
+    combine-done wait comes earlier)."""
+    import re
+
+    hints = [m.start() for m in re.finditer(r"prefetch\.global\.L2 ", combine_ptx)]
+    polls = [m.start() for m in re.finditer(r"ld\.acquire\.sys\.global\.u64", combine_ptx)]
+    assert len(hints) == 4, len(hints)
+    assert polls and max(hints) < max(polls), "the own-row L2 hints no longer precede the range-flag wait"
