@@ -70,6 +70,10 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 #   EP1 combine  128: 64x16 9.3/9.2 | 132x16 9.5/9.5 | 64x8 10.2 | 132x8 10.6;  4096: 132x16 51.7 | 132x8 66.3
 #   EP1 dispatch 128: 132x16 8.6 | 132x8 8.8 | 64x16 9.2 | 64x8 9.3 (0.7 apart, as in session 6:
 #                within the ±1 µs noise, so 64x8 kept);  4096: 132x16 39.4 | 132x8 44.2
+# Session 15 (the own row hinted into L2), run 1, graph mode, fresh/buffer input, EP2 bf16 at 128
+#   only (docs/bench/session15/run1/sum.txt). The table did not move:
+#   EP2 combine  128: 64x16 16.8/16.8 | 132x16 17.2/17.1 | 64x8 17.6/17.7 | 132x8 17.9/17.9 | 32x16 22.9 | 32x8 25.8
+#   EP2 dispatch bf16 128: 64x8 14.5 | 64x16 14.7 | 132x8 14.7 | 132x16 14.9 | 32x8 15.6 | 32x16 15.7
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
