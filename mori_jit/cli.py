@@ -212,6 +212,8 @@ def _source_root_line() -> str:
 
 
 def cmd_info(args) -> int:
+    """`mori-jit info`: version, arch, compiler and flags, source root, header freshness, cache,
+    specs, and the environment variables mori-jit reads."""
     from .jit import cache, toolchain as tcmod
     from .jit.codegen import stale_headers
     from .jit.paths import SourceRootError, kernels_dir
@@ -270,12 +272,14 @@ def cmd_info(args) -> int:
 # ----------------------------------------------------------------------------------------------
 
 def cmd_render(args) -> int:
+    """`mori-jit render SPEC`: print the translation unit a config renders to (no compiler needed)."""
     spec, tc, cfg = _spec_cfg(args, need_compiler=False)
     sys.stdout.write(spec.render_source(cfg, tc))
     return 0
 
 
 def cmd_key(args) -> int:
+    """`mori-jit key SPEC`: print the cache key of a config (the rendered text, toolchain and headers)."""
     from .jit.compile import resolve
     spec, tc, cfg = _spec_cfg(args)
     _warn_stale_headers()
@@ -284,6 +288,7 @@ def cmd_key(args) -> int:
 
 
 def cmd_describe(args) -> int:
+    """`mori-jit describe SPEC`: the config, entry name, geometry and request schema, as JSON."""
     from .jit.fields import render_cfg, request_schema
     spec, tc, cfg = _spec_cfg(args, need_compiler=False)
     doc: dict[str, Any] = {"spec": spec.name, "arch": tc.arch, "entry": spec.entry_name(cfg),
@@ -297,6 +302,7 @@ def cmd_describe(args) -> int:
 
 
 def cmd_compile(args) -> int:
+    """`mori-jit compile SPEC`: build one config into the cache (or find it there); print the entry's directory."""
     from .jit.compile import build, resolve
     spec, tc, cfg = _spec_cfg(args)
     _ensure_headers()
@@ -341,6 +347,7 @@ def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> l
 
 
 def cmd_precompile(args) -> int:
+    """`mori-jit precompile`: build every shipped variant for an arch in parallel, with progress."""
     from .jit import cache
     from .jit.compile import CompileError, build, resolve
     tc = _toolchain(args.arch)
@@ -427,6 +434,7 @@ def _entry_problem(p: Path) -> str | None:
 
 
 def cmd_cache(args) -> int:
+    """`mori-jit cache path|ls|verify|clear`: inspect or clean the kernel cache."""
     from .jit import cache
     root = cache.cache_root()
     if args.action == "path":

@@ -68,6 +68,8 @@ register_header(GeneratedHeader(
 
 
 class AxpySpec(Spec):
+    """The example kernel, ``y = a * x + y``: the smallest complete spec (see the module doc)."""
+
     name = "example_axpy"
     cfg_type = AxpyCfg
     args = AXPY_ARGS

@@ -71,9 +71,12 @@ class ArgsSchema:
                             for f in self.fields)
 
     def names(self) -> tuple[str, ...]:
+        """The field names, in declaration order."""
         return tuple(f.name for f in self.fields)
 
     def cpp_struct(self) -> str:
+        """The C++ struct, with static_asserts that pin every offset and the size to the ctypes
+        layout (a drift between the two fails the compile, not the launch)."""
         lines = [f"struct {self.name} {{"]
         for f in self.fields:
             arr = f"[{f.count}]" if f.count else ""

@@ -36,14 +36,18 @@ class Entry:
 
 
 def cache_root() -> Path:
+    """The cache directory (``MORI_JIT_CACHE_DIR``, see :mod:`mori_jit.jit.knobs`)."""
     return knobs.cache_dir()
 
 
 def entry_dir(arch: str, nic: str, entry_name: str, key: str) -> Path:
+    """Where the entry for ``key`` lives (it need not exist)."""
     return cache_root() / f"{arch}_{nic}" / f"kernel.{entry_name}.{key}"
 
 
 def new_tmp_dir() -> Path:
+    """A fresh private directory under the cache's ``tmp/``, on the entries' filesystem (so a
+    finished build is published by one rename)."""
     d = cache_root() / "tmp" / uuid.uuid4().hex
     d.mkdir(parents=True)
     return d
@@ -58,6 +62,7 @@ def _fsync_path(p: Path) -> None:
 
 
 def sha256_file(p: Path) -> str:
+    """Hex SHA-256 of the file's bytes."""
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 

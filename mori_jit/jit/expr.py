@@ -42,8 +42,14 @@ class Expr(abc.ABC):
     def __le__(self, o): return _Bin("<=", self, lit(o))
     def __gt__(self, o): return _Bin(">", self, lit(o))
     def __ge__(self, o): return _Bin(">=", self, lit(o))
-    def eq(self, o): return _Bin("==", self, lit(o))
-    def ne(self, o): return _Bin("!=", self, lit(o))
+    def eq(self, o):
+        """C++ ``==`` (Python's ``==`` stays identity, so expressions stay hashable)."""
+        return _Bin("==", self, lit(o))
+
+    def ne(self, o):
+        """C++ ``!=``."""
+        return _Bin("!=", self, lit(o))
+
     # logic: & | ~ mean && || !
     def __and__(self, o): return _Bin("&&", self, lit(o))
     def __or__(self, o): return _Bin("||", self, lit(o))
@@ -139,10 +145,12 @@ def where(cond: Any, a: Any, b: Any) -> Expr:
 
 
 def max_(a: Any, b: Any) -> Expr:
+    """The larger of ``a`` and ``b`` (a ``where``, so C++ needs no ``<algorithm>``)."""
     return where(lit(a) > lit(b), a, b)
 
 
 def min_(a: Any, b: Any) -> Expr:
+    """The smaller of ``a`` and ``b``."""
     return where(lit(a) < lit(b), a, b)
 
 
@@ -178,5 +186,6 @@ class Derived(Expr):
         return f"{self.name}(c)"
 
     def cpp_definition(self) -> str:
+        """The ``constexpr`` function that defines this quantity in the generated header."""
         doc = f"// {self.doc}\n" if self.doc else ""
         return f"{doc}constexpr {self.ctype} {self.name}(const {self.cfg_type}& c) {{ return {self.expr.cpp()}; }}"

@@ -59,6 +59,7 @@ class CEnum(enum.IntEnum):
         raise ConfigError(f"{value!r} is not a {cls.__name__}; allowed: {[m.name for m in cls]}")
 
     def cpp(self) -> str:
+        """This member as C++ text (``Enum::Member``)."""
         return f"{type(self).__name__}::{self.name}"
 
 
@@ -172,6 +173,7 @@ def apply_request(base: Any, request: Mapping[str, Any]) -> Any:
 
 
 def cpp_enum(enum_cls: type[CEnum]) -> str:
+    """The C++ ``enum class`` for ``enum_cls``, with the same values."""
     members = ", ".join(f"{m.name} = {int(m)}" for m in enum_cls)
     return f"enum class {enum_cls.__name__} : int {{ {members} }};"
 

@@ -44,8 +44,10 @@ def _default_root() -> Path:
 
 
 def kernels_dir() -> Path:
+    """``kernels/`` under the source root (the include directory of every kernel)."""
     return source_root() / "kernels"
 
 
 def templates_dir() -> Path:
+    """``templates/`` under the source root (the Jinja translation-unit templates)."""
     return source_root() / "templates"

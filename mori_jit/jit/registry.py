@@ -60,5 +60,6 @@ def get_spec(name: str) -> "Spec":
 
 
 def all_specs() -> list["Spec"]:
+    """Every registered spec (the shipped ones loaded first), by name."""
     load_shipped_specs()
     return [_SPECS[n] for n in sorted(_SPECS)]

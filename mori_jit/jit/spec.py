@@ -95,9 +95,11 @@ class Spec(abc.ABC):
         return {}
 
     def source_deps(self) -> tuple[str, ...]:
+        """Directories under the source root whose files' contents enter the cache key."""
         return self.deps
 
     def describe(self, cfg: Any) -> dict[str, Any]:
+        """``cfg`` as a JSON-able dict (``mori-jit describe``)."""
         return describe(cfg)
 
     def render_source(self, cfg: Any, toolchain: Toolchain) -> str:

@@ -61,13 +61,16 @@ class Toolchain:
 
     @property
     def binary_ext(self) -> str:
+        """The code-object file extension: ``hsaco`` (AMD) or ``cubin`` (NVIDIA)."""
         return "hsaco" if self.vendor == "amd" else "cubin"
 
     @property
     def wave_size(self) -> int:
+        """Threads per wave (warp) on this arch."""
         return wave_size_for_arch(self.arch)
 
     def key_parts(self) -> list[str]:
+        """What of the toolchain enters the cache key: compiler signature, NIC, flags."""
         return [self.signature, self.nic, " ".join(self.flags)]
 
     def command(self, src: Path, out: Path, include_dirs: list[Path]) -> list[str]:

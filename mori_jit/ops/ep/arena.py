@@ -32,9 +32,14 @@ def layout(region_bytes: Mapping[str, int]) -> tuple[dict[str, int], int]:
 class MemoryProvider(Protocol):
     """Allocates ``nbytes`` of symmetric device memory; returns the local tensor and every rank's base."""
 
-    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]: ...
+    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
+        """Collective: ``nbytes`` on ``device`` for every rank of ``group``; the local uint8 tensor
+        and each rank's base address of its block (this rank's is the tensor's ``data_ptr``)."""
+        ...
 
-    def release(self, tensor: torch.Tensor) -> None: ...
+    def release(self, tensor: torch.Tensor) -> None:
+        """Drop what keeps ``tensor``'s mapping alive (no kernel may still use it)."""
+        ...
 
 
 class TorchSymmMemProvider:
@@ -96,10 +101,12 @@ class SymmArena:
         return self.tensor[off:off + nbytes].view(dtype).view(shape)
 
     def zero(self, *names: str) -> None:
+        """Zero regions ``names`` on this rank (stream-ordered; the caller synchronizes ranks)."""
         for n in names:
             self.tensor[self.offsets[n]:self.offsets[n] + self.sizes[n]].zero_()
 
     def close(self) -> None:
+        """Release the memory; the arena holds an empty tensor and no peer bases afterwards."""
         self.provider.release(self.tensor)
         self.tensor = torch.empty(0, dtype=torch.uint8)
         self.peer_bases = []

@@ -51,6 +51,7 @@ class _U64Const(CConst):
 
     @classmethod
     def ctype(cls) -> str:
+        """The C++ underlying type of the generated enum."""
         return "uint64_t"
 
 

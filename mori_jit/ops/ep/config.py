@@ -104,10 +104,12 @@ class EpDispatchCombineConfig:
 
     @property
     def dispatch_dtype(self) -> torch.dtype:
+        """The dtype dispatch moves: ``dispatch_data_type``, else ``data_type``."""
         return self.dispatch_data_type or self.data_type
 
     @property
     def combine_dtype(self) -> torch.dtype:
+        """The dtype combine reads and returns: ``combine_data_type``, else ``data_type``."""
         return self.combine_data_type or self.data_type
 
     @property
@@ -117,10 +119,12 @@ class EpDispatchCombineConfig:
 
     @property
     def num_experts(self) -> int:
+        """Experts over all ranks (the id range of ``indices``)."""
         return self.num_experts_per_rank * self.world_size
 
     @property
     def is_internode(self) -> bool:
+        """Whether the group spans more than one node (``gpu_per_node < world_size``)."""
         return self.gpu_per_node < self.world_size
 
     def backend(self) -> str:

@@ -104,6 +104,7 @@ class Schedule:
         return bisect.bisect_left(self._finite, num_tokens)
 
     def variants(self) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+        """The distinct (blocks, warps) geometries of dispatch and of combine: what gets compiled."""
         return set(self.dispatch), set(self.combine)
 
 

@@ -187,6 +187,7 @@ class EpDispatchCombineOp(abc.ABC):
 
     @property
     def kernels(self) -> KernelSet:
+        """What the backend built (launch callables, schedule, capabilities): for diagnostics."""
         return self._kernels
 
     def _live(self) -> KernelSet:
