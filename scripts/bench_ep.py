@@ -109,7 +109,7 @@ def sm_link_rates(rank, ws, nbytes: int = 256 << 20, reps: int = 10) -> dict:
                 out[f"sm_{name}_{who}_gbps"] = nbytes / back_to_back_median_us(fn, reps) / 1e3
             torch.cuda.synchronize()
             dist.barrier()
-    del peer, hdl, buf
+    peer = hdl = buf = None  # release the symmetric buffer (the lambdas above hold `peer` until then)
     return out
 
 
