@@ -211,6 +211,7 @@ template <EpCfg kCfg>
 struct ItemSources {
   static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
   static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg);
+  static constexpr int kW = kCfg.waveSize, kUnroll = kCfg.vecUnroll;
   const vec16_t* row[kWs];
   const float* w[kWs];
   int n = 0;
@@ -227,8 +228,8 @@ struct ItemSources {
       const vec16_t* r = pe == rank ? in + size_t(slot) * kVecs : recv + size_t(pe * kM + t) * kVecs;
       if (pe == rank && prefetchV0 >= 0)
 #pragma unroll
-        for (int u = 0; u < kCfg.vecUnroll; ++u)
-          if (prefetchV0 + u * kCfg.waveSize < kVecs) plat::prefetch_l2(r + prefetchV0 + u * kCfg.waveSize);
+        for (int u = 0; u < kUnroll; ++u)
+          if (prefetchV0 + u * kW < kVecs) plat::prefetch_l2(r + prefetchV0 + u * kW);
       // (formed only with weights: the input's weights pointer may be null otherwise)
       const float* wp = !sumWeights ? nullptr
                         : (pe == rank ? args.inpWeights + size_t(slot) * kK : recvW + size_t(pe * kM + t) * kK) + lane;

@@ -77,13 +77,13 @@ MORI_DEVICE vec16_t load_peer(const vec16_t* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-// A hint: bring the line holding p into this GPU's L2 (no register, nothing to wait for), so that
-// a load issued later hits L2 instead of HBM.
-MORI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 MORI_DEVICE float load_peer_f32(const float* p) {
   float v;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
+// A hint: bring the line holding p into this GPU's L2 (no register, nothing to wait for), so that
+// a load issued later hits L2 instead of HBM.
+MORI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 }  // namespace mori::plat
