@@ -44,6 +44,12 @@ def test_every_region_has_a_size_and_an_offset_arg():
     assert big["comb_recv"] == sizes["comb_recv"] == 2 * 64 * 7168 * 2
     assert big["comb_recv_wts"] == 2 * 64 * c.numExpertPerToken * 4
     assert big["comb_flags"] == big["src_to_recv"] == 2 * 64 * 8
+    # the low-latency rows exist only up to the combine leg's lowLatencyTok; their weights carry an epoch
+    assert sizes["comb_ll"] == sizes["comb_ll_wts"] == 0
+    low = region_bytes(d, dataclasses.replace(c, lowLatencyTok=16))
+    assert low["comb_ll"] == 2 * 16 * 7168 * 2 and low["comb_ll_wts"] == 2 * 16 * c.numExpertPerToken * 8
+    assert {k: v for k, v in low.items() if not k.startswith("comb_ll")} == \
+        {k: v for k, v in sizes.items() if not k.startswith("comb_ll")}
 
 
 def test_every_arena_region_is_used_by_a_kernel():
@@ -61,7 +67,7 @@ def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
 
     assert set(WAIT_MESSAGES) == set(WaitId)
     # the values are an ABI between kernels, host and recorded benchmark data
-    assert [int(w) for w in WaitId] == [1, 2, 3]
+    assert [int(w) for w in WaitId] == [1, 2, 3, 4]
     assert [int(c) for c in ErrCode] == [int.from_bytes(c, "big") for c in (b"MORI", b"SHOR", b"PSHR")]
     assert len(XdbRow) * EP_MAX_PEERS * 8 == region_bytes(EpCfg(worldSize=2), EpCfg(worldSize=2))["xdb"]
     assert max(Stamp) < EP_STAMP_WORDS and len(set(Stamp)) == len(Stamp.__members__)
@@ -87,11 +93,14 @@ def test_device_errors_decode_to_which_wait_which_rank_which_peer():
     assert "rank 1: combine: waiting for a peer's rows of a token range" in decode_error(ranges, 1)
     assert "from rank 0 timed out" in decode_error(ranges, 1)
     assert "never reached 10 = 2 x combine epoch 5" in decode_error([0x4D4F5249, (3 << 48) | (1 << 16), 10, 0], 1)
+    rows = decode_error([0x4D4F5249, (4 << 48) | (0 << 32) | (1 << 16), 9, 0], 1)  # low latency: a token's row
+    assert "rank 1: combine (low latency): waiting for a peer's row of a token" in rows
+    assert "from rank 0 timed out after MORI_EP_TIMEOUT_S (token 9)" in rows and "never reached" not in rows
     short = [0x53484F52, 1 << 16, (100 << 32) | 60, 0]
     assert "rank 1: combine input had 60 rows but dispatch received 100" in decode_error(short, 1)
     peer_short = [0x50534852, (0 << 32) | (1 << 16), 38, 0]
     msg = decode_error(peer_short, 1)
-    assert "rank 1: rank 0's combine input was short" in msg and "from token 38 on" in msg and "is wrong" in msg
+    assert "rank 1: rank 0's combine input was short" in msg and "(first reported at token 38)" in msg and "is wrong" in msg
     assert "unknown device error" in decode_error([5, 0, 0, 0], 0)
 
 

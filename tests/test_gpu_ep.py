@@ -6,6 +6,7 @@ One process per visible GPU (NCCL); with one GPU the op runs at world size 1.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -36,8 +37,9 @@ def _poison(op):
     """Poison every dispatch output view (not the sync words), then make sure no peer is mid-write."""
     a = op.arena
     for name in ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv",
-                 "comb_recv", "comb_recv_wts"):
-        a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)  # NaN / -1 patterns
+                 "comb_recv", "comb_recv_wts", "comb_ll", "comb_ll_wts"):
+        # NaN / -1 patterns (comb_ll: 0xFF is also its empty state, which the op keeps between calls)
+        a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)
     torch.cuda.synchronize()
     torch.distributed.barrier()
 
@@ -97,10 +99,12 @@ def _golden_job(rank, ws):
     cases = [(7168, 8, d, c) for d, c in DTYPE_PAIRS]
     cases += [(h, k, BF16, BF16) for h in (2048, 4096) for k in (1, 4, 8)]
     m = 96
-    for hidden, k, disp, comb in cases:
+    for i, (hidden, k, disp, comb) in enumerate(cases):
         if k > 16:
             continue
-        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, disp, comb, m), None) as op, \
+        # every other case with range flags, the others low latency (the default at m = 96)
+        low = {"combine_low_latency_tokens": 0} if i % 2 else {}
+        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, disp, comb, m, **low), None) as op, \
                 EpDispatchCombineOp(_cfg(rank, ws, hidden, k, disp, comb, m, "torch"), None) as ref:
             # token counts change between calls; n = M, n = 0, dropped slots, all to one rank
             for n, drop, all_to in ((m, 0.0, None), (37, 0.0, None), (0, 0.0, None), (m, 0.3, None),
@@ -115,10 +119,12 @@ def _golden_job(rank, ws):
             for n in (m, 37, 0):
                 _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
     # Ranks on different grids (each rank picks its geometry from its own token count): a rank's
-    # dispatch-done count and its combine ranges must not depend on its peers' grids.
+    # dispatch-done count and its combine ranges must not depend on its peers' grids. Low latency up
+    # to 93 tokens: at n = 96 / 91 the even ranks get range flags while the odd ones get low-latency
+    # rows, so one kernel sends in one protocol and sums in the other.
     blocks = (8, 24, 16, 40)[rank % 4]
     with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, m, dispatch_block_num=blocks,
-                                  combine_block_num=blocks), None) as op:
+                                  combine_block_num=blocks, combine_low_latency_tokens=93), None) as op:
         for n in (m, 37, 0, m):
             _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
 
@@ -127,7 +133,8 @@ def _rounds_job(rank, ws):
     from mori_jit.ops.ep import EpDispatchCombineOp
 
     gen = torch.Generator().manual_seed(99 + rank)
-    with EpDispatchCombineOp(_cfg(rank, ws, 2048, 8, BF16, BF16, 64), None) as op:
+    # low latency up to 32 tokens: the protocol changes between rounds (and between the ranks)
+    with EpDispatchCombineOp(_cfg(rank, ws, 2048, 8, BF16, BF16, 64, combine_low_latency_tokens=32), None) as op:
         for i in range(200):  # no reset() between rounds: device-side epochs and counters
             _round(op, op.cfg, rank, ws, gen, int(torch.randint(0, 65, (1,), generator=gen)))
             if i % 50 == 0:
@@ -200,8 +207,9 @@ def _combine_inputs_job(rank, ws):
     gen = torch.Generator().manual_seed(31 + rank)
     dev = torch.device("cuda", rank)
     hidden, k = 2048, 8
-    for m in (40, 1100):
-        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
+    # m = 40: low latency (the default there), then range flags; 1100: both, by each call's n
+    for m, low in ((40, None), (40, 0), (1100, None)):
+        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency_tokens=low), None) as op:
             cfg = op.cfg
             stage = op.get_combine_input_buffer()
             # one buffer for the op's life, outside the symmetric arena (only this rank reads it)
@@ -276,29 +284,30 @@ def _queued_rounds_job(rank, ws):
     gen = torch.Generator().manual_seed(71 + rank)
     dev = torch.device("cuda", rank)
     m, hidden, k, rounds = 128, 7168, 8, 24
-    with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
-        cfg = op.cfg
-        ins = [make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen) for _ in range(rounds)]
-        ys = [torch.full((m, hidden), float("nan"), dtype=BF16, device=dev) for _ in range(rounds)]
-        yws = [torch.full((m, k), float("nan"), dtype=torch.float32, device=dev) for _ in range(rounds)]
-        torch.cuda.synchronize()
-        torch.distributed.barrier()
-        for i, (x, w, idx) in enumerate(ins):
-            out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
-            exp = out if i % 2 == 0 else out.clone()
-            op.combine(exp, weights=out_w, routing=routing, out=ys[i], out_weights=yws[i])
-        torch.cuda.synchronize()
-        op.check()
-        bad = []
-        for i, (x, w, idx) in enumerate(ins):
-            ranks = torch.where((idx >= 0) & (idx < cfg.num_experts), idx // cfg.num_experts_per_rank, -1)
-            u = torch.stack([(ranks == r).any(1) for r in range(ws)], 1).sum(1, keepdim=True).float()
-            if not torch.equal(ys[i].float(), x.float() * u):
-                bad.append(f"round {i} y ({'arena' if i % 2 == 0 else 'fresh'} input)")
-            if not torch.allclose(yws[i], w * u, rtol=1e-5, atol=1e-6):
-                bad.append(f"round {i} y_w")
-        torch.distributed.barrier()
-        assert not bad, f"rank {rank}: {bad}"
+    for low in (None, 0):  # low latency (the default at m = 128), then range flags
+        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency_tokens=low), None) as op:
+            cfg = op.cfg
+            ins = [make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen) for _ in range(rounds)]
+            ys = [torch.full((m, hidden), float("nan"), dtype=BF16, device=dev) for _ in range(rounds)]
+            yws = [torch.full((m, k), float("nan"), dtype=torch.float32, device=dev) for _ in range(rounds)]
+            torch.cuda.synchronize()
+            torch.distributed.barrier()
+            for i, (x, w, idx) in enumerate(ins):
+                out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+                exp = out if i % 2 == 0 else out.clone()
+                op.combine(exp, weights=out_w, routing=routing, out=ys[i], out_weights=yws[i])
+            torch.cuda.synchronize()
+            op.check()
+            bad = []
+            for i, (x, w, idx) in enumerate(ins):
+                ranks = torch.where((idx >= 0) & (idx < cfg.num_experts), idx // cfg.num_experts_per_rank, -1)
+                u = torch.stack([(ranks == r).any(1) for r in range(ws)], 1).sum(1, keepdim=True).float()
+                if not torch.equal(ys[i].float(), x.float() * u):
+                    bad.append(f"round {i} y ({'arena' if i % 2 == 0 else 'fresh'} input)")
+                if not torch.allclose(yws[i], w * u, rtol=1e-5, atol=1e-6):
+                    bad.append(f"round {i} y_w")
+            torch.distributed.barrier()
+            assert not bad, f"rank {rank}: {bad}"
 
 
 def _timeout_job(rank, ws):
@@ -306,37 +315,44 @@ def _timeout_job(rank, ws):
 
     os.environ["MORI_EP_TIMEOUT_S"] = "2"
     gen = torch.Generator().manual_seed(5 + rank)
-    with EpDispatchCombineOp(_cfg(rank, ws, 2048, 4, BF16, BF16, 32), None) as op:
-        _round(op, op.cfg, rank, ws, gen, 32)
-        # rank 1 may still be reading its outputs; they stay valid only until any rank's next dispatch
-        torch.distributed.barrier()
-        from mori_jit.ops.ep.golden import make_inputs
-        x, w, idx = make_inputs(rank, 32, 2048, 4, op.cfg.num_experts, BF16, torch.device("cuda", rank), gen)
-        if rank == 0:
-            op.dispatch(x, w, None, idx)  # rank 1 never dispatches: rank 0's wait must give up
-            torch.cuda.synchronize()
-            with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: .* from rank 1 timed out") as err:
-                op.check()
-            # the second dispatch: rank 1's blocks never added their 1048576 for epoch 2
-            assert "(flag never reached 2097152 = 1048576 x dispatch epoch 2)" in str(err.value), str(err.value)
-            with pytest.raises(EpDeviceError):
-                op.dispatch(x, w, None, idx)  # the next call raises too
-        op.reset()  # collective
-        for _ in range(3):
+    for low in (0, None):  # range flags, then low latency (the default at m = 32)
+        with EpDispatchCombineOp(_cfg(rank, ws, 2048, 4, BF16, BF16, 32, combine_low_latency_tokens=low), None) as op:
             _round(op, op.cfg, rank, ws, gen, 32)
-        # a combine that rank 1 skips: rank 0's summers give up waiting for rank 1's rows
-        torch.distributed.barrier()
-        out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
-        if rank == 0:
-            op.combine(out, weights=out_w, routing=routing)
-            torch.cuda.synchronize()
-            with pytest.raises(EpDeviceError, match=r"rank 0: combine: .* from rank 1 timed out") as err:
-                op.check()
-            # every summer block timed out at once; the report is one thread's, whole: the 4th
-            # combine since the reset (3 rounds) waited for range flags of 2 x epoch 4
-            assert "(flag never reached 8 = 2 x combine epoch 4)" in str(err.value), str(err.value)
-        op.reset()  # collective
-        _round(op, op.cfg, rank, ws, gen, 32)
+            # rank 1 may still be reading its outputs; they stay valid only until any rank's next dispatch
+            torch.distributed.barrier()
+            from mori_jit.ops.ep.golden import make_inputs
+            x, w, idx = make_inputs(rank, 32, 2048, 4, op.cfg.num_experts, BF16, torch.device("cuda", rank), gen)
+            if rank == 0:
+                op.dispatch(x, w, None, idx)  # rank 1 never dispatches: rank 0's wait must give up
+                torch.cuda.synchronize()
+                with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: .* from rank 1 timed out") as err:
+                    op.check()
+                # the second dispatch: rank 1's blocks never added their 1048576 for epoch 2
+                assert "(flag never reached 2097152 = 1048576 x dispatch epoch 2)" in str(err.value), str(err.value)
+                with pytest.raises(EpDeviceError):
+                    op.dispatch(x, w, None, idx)  # the next call raises too
+            op.reset()  # collective
+            for _ in range(3):
+                _round(op, op.cfg, rank, ws, gen, 32)
+            # a combine that rank 1 skips: rank 0's summers give up waiting for rank 1's rows
+            torch.distributed.barrier()
+            out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+            if rank == 0:
+                op.combine(out, weights=out_w, routing=routing)
+                torch.cuda.synchronize()
+                with pytest.raises(EpDeviceError, match=r"rank 0: combine[ :].* from rank 1 timed out") as err:
+                    op.check()
+                # every summer timed out at once; the report is one thread's, whole: the 4th combine
+                # since the reset (3 rounds) waited for range flags of 2 x epoch 4, or (low latency)
+                # for one of rank 0's tokens' rows from rank 1
+                if low == 0:
+                    assert "(flag never reached 8 = 2 x combine epoch 4)" in str(err.value), str(err.value)
+                else:
+                    got = re.search(r"row of a token \(its words never arrived\) from rank 1 timed out after "
+                                    r"MORI_EP_TIMEOUT_S \(token ([0-9]+)\)", str(err.value))
+                    assert got and int(got.group(1)) < 32, str(err.value)
+            op.reset()  # collective
+            _round(op, op.cfg, rank, ws, gen, 32)
 
 
 def test_golden_all_dtypes_shapes_and_parity():

@@ -1,5 +1,7 @@
 // EP combine kernel body (see ep_intranode.hpp for the protocol).
 #pragma once
+#include <type_traits>
+
 #include "ep/ep_common.hpp"
 
 namespace mori::ep {
@@ -16,6 +18,31 @@ MORI_DEVICE int NumRanges(int n) { return (n + kRangeTok - 1) / kRangeTok; }
 MORI_DEVICE constexpr uint64_t RangeFlag(uint64_t target, bool shortInput) { return 2 * target + shortInput; }
 // TaskSlot's mark for a token routed here whose row lies beyond a short input.
 constexpr int kShortSlot = -2;
+
+// Low latency: a home rank with at most kCfg.lowLatencyTok tokens gets its rows in comb_ll, where
+// every 32-bit word is its own arrival signal (CombWord): no release fence and no range flag, whose
+// 1.3-1.4 us each sit on the small-batch chain (PERF.md session 15). Sender and home rank decide by
+// the same number, the home rank's n: its senders at run time (per peer), its summers at compile
+// time (kCfg.lowLatencySum; the op picks the binary by n). At large batches the flags win: a
+// summing wave's own polls, strong loads and empty-word stores cost more than the flags they replace.
+template <EpCfg kCfg>
+MORI_DEVICE bool LowLatency(int n) { return kCfg.lowLatencyTok > 0 && n <= kCfg.lowLatencyTok; }
+// A data word that reads like a signal word (a NaN) is sent as kCanonWord, another NaN.
+MORI_DEVICE uint32_t CanonWord(uint32_t w) { return w >= kShortWord ? uint32_t(kCanonWord) : w; }
+MORI_DEVICE vec16_t CanonVec(vec16_t v) {
+  v.x = CanonWord(v.x), v.y = CanonWord(v.y), v.z = CanonWord(v.z), v.w = CanonWord(v.w);
+  return v;
+}
+MORI_DEVICE vec16_t WordVec(uint32_t w) {
+  vec16_t v;
+  v.x = v.y = v.z = v.w = w;
+  return v;
+}
+MORI_DEVICE bool HasWord(vec16_t v, uint32_t w) { return v.x == w || v.y == w || v.z == w || v.w == w; }
+// A low-latency weight carries the combine epoch, so one left from an earlier combine never reads
+// as arrived (weights are not set back to empty: a rank that does not sum them would leave them).
+MORI_DEVICE uint64_t TaggedWeight(uint64_t target, float w) { return (target << 32) | plat::float_bits(w); }
+MORI_DEVICE bool WeightArrived(uint64_t v, uint64_t target) { return uint32_t(v >> 32) == uint32_t(target); }
 
 // How this rank's blocks split the work (a local choice: peers only see flags). With at most one
 // send task per block, every block sends its task, then sums. With more, blocks [0, senders) send
@@ -34,7 +61,8 @@ MORI_DEVICE int CombSenders(int tasks) {
 // Sender: push the rows this rank's experts produced back to their tokens' home ranks, range by
 // range in token order (every rank walks the ranges in the same order, so the home rank's summers
 // can start on the first ranges while the last ones are still in flight). A task is one range of
-// one peer's tokens; its block raises that range's flag on the peer when its stores are done.
+// one peer's tokens; its block raises that range's flag on the peer when its stores are done (low
+// latency: no flag, its words are relaxed system-scope stores to comb_ll; see LowLatency).
 // A task's rows are one flat array of vectors spread over all the block's threads (no wave idles
 // on a range that is not a multiple of its chunks), and the next task's loads are issued right
 // after this task's stores, so they overlap the release fence instead of following it.
@@ -168,12 +196,38 @@ struct Sender {
         if (j < P::kWts && SlotOf(j / kK) >= 0) dstW[j] = w[u];
       }
   }
-  // Push task q (this block's current one) into its peer's comb_recv and raise its range flag;
-  // returns the block's next task (numTasks or more: none).
+  // Low latency: every word relaxed and system-scope; a row beyond a short input goes as
+  // kShortWord words (and weight 0), so the home rank sums its token without it and says so.
+  MORI_DEVICE void StorePassLow(int pass, vec16_t* dst, uint64_t* dstW) const {
+#pragma unroll
+    for (int u = 0; u < P::kPerPass; ++u) {
+      const int v = (pass * P::kPerPass + u) * P::kThreads + int(threadIdx.x), s = SlotOf(v / kVecs);
+      if (v < P::kTaskVecs && (s >= 0 || s == kShortSlot))
+        plat::store_words_relaxed(dst + v, s >= 0 ? CanonVec(buf[u]) : WordVec(kShortWord));
+    }
+    if (pass == 0 && withWeights)
+#pragma unroll
+      for (int u = 0; u < P::kWtsPer; ++u) {
+        const int j = u * P::kThreads + int(threadIdx.x), s = SlotOf(j / kK);
+        if (j < P::kWts && (s >= 0 || s == kShortSlot))
+          plat::store_relaxed_system(dstW + j, TaggedWeight(target, s >= 0 ? w[u] : 0.f));
+      }
+  }
+  // Push task q (this block's current one) into its peer's comb_recv and raise its range flag
+  // (low latency: into comb_ll, no flag); returns the block's next task (numTasks or more: none).
   MORI_DEVICE int Send(int q) {
-    const int b = q / kDests, d = Dest(q), rank = args.rank;
-    const bool live = b < NumRanges(int(numTok[d]));  // block-uniform
-    if (live) {
+    const int b = q / kDests, d = Dest(q), rank = args.rank, nd = int(numTok[d]);
+    const bool live = b < NumRanges(nd), low = LowLatency<kCfg>(nd);  // block-uniform
+    if (live && low) {
+      constexpr int kL = kCfg.lowLatencyTok;
+      vec16_t* dst = At<vec16_t>(args, d, args.off_comb_ll) + size_t(rank * kL + b * kRangeTok) * kVecs;
+      uint64_t* dstW = At<uint64_t>(args, d, args.off_comb_ll_wts) + size_t(rank * kL + b * kRangeTok) * kK;
+#pragma unroll 1
+      for (int pass = 0; pass < P::kPasses; ++pass) {
+        if (pass > 0) LoadPass(pass);
+        StorePassLow(pass, dst, dstW);
+      }
+    } else if (live) {
       vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok) * kVecs;
       float* dstW = At<float>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok) * kK;
 #pragma unroll 1
@@ -191,10 +245,10 @@ struct Sender {
     nextTask = after;
     nextSlot = TaskSlot(after);
     LoadPass(0);
-    if (live && plat::kFenceEveryWave) plat::fence_system();
+    if (live && !low && plat::kFenceEveryWave) plat::fence_system();
     Publish();
     __syncthreads();  // the release below is cumulative over the block's stores
-    if (live && threadIdx.x == 0)
+    if (live && !low && threadIdx.x == 0)
       plat::store_release_system(At<uint64_t>(args, d, args.off_comb_flags) + rank * kM + b, RangeFlag(target, shortInput));
     return next;
   }
@@ -203,23 +257,27 @@ struct Sender {
 // Where one work item's rows come from: one source per rank its token went to (its own row
 // straight from the input, a peer's from comb_recv, where that peer pushed it), and this lane's
 // weight (lane < k) of each. `flat` is the token's forward-map entry on lane j < k (-1 elsewhere).
-// With `prefetchV0` >= 0, this lane's vectors of the own row (prefetchV0, + waveSize, ...) are
+// kLow: the peers' rows and weights are in comb_ll (LowLatency); nibble i of `pes` is source i's
+// rank, so their words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors of the own row (prefetchV0, + waveSize, ...) are
 // hinted into L2 as soon as the row is known: the input was complete at the kernel's start, so its
 // HBM latency can pass while the wave waits for the peers' flags. (Loading it into registers there
 // instead delayed the poll: PERF.md session 14, run 5.)
-template <EpCfg kCfg>
+template <EpCfg kCfg, bool kLow>
 struct ItemSources {
-  static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
+  static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken;
+  static constexpr int kM = kLow ? kCfg.lowLatencyTok : kCfg.maxTokPerRank;  // rows per source rank
   static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg);
   static constexpr int kW = kCfg.waveSize, kUnroll = kCfg.vecUnroll;
+  using Weight = std::conditional_t<kLow, uint64_t, float>;  // a peer's (kLow: a TaggedWeight)
   const vec16_t* row[kWs];
-  const float* w[kWs];
+  const void* w[kWs];  // the own row's: a float of the input's weights; a peer's: a Weight
   int n = 0;
+  uint32_t pes = 0;
   MORI_DEVICE ItemSources(const EpArgs& args, bool sumWeights, int flat, int t, int prefetchV0 = -1) {
     const int rank = args.rank, lane = plat::lane_id();
     const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
-    const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
-    const float* recvW = At<float>(args, rank, args.off_comb_recv_wts);
+    const vec16_t* recv = At<vec16_t>(args, rank, kLow ? args.off_comb_ll : args.off_comb_recv);
+    const Weight* recvW = At<Weight>(args, rank, kLow ? args.off_comb_ll_wts : args.off_comb_recv_wts);
 #pragma unroll
     for (int i = 0; i < kWs; ++i) row[i] = nullptr, w[i] = nullptr;
     for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
@@ -231,15 +289,83 @@ struct ItemSources {
         for (int u = 0; u < kUnroll; ++u)
           if (prefetchV0 + u * kW < kVecs) plat::prefetch_l2(r + prefetchV0 + u * kW);
       // (formed only with weights: the input's weights pointer may be null otherwise)
-      const float* wp = !sumWeights ? nullptr
-                        : (pe == rank ? args.inpWeights + size_t(slot) * kK : recvW + size_t(pe * kM + t) * kK) + lane;
+      const void* wp = !sumWeights ? nullptr
+                       : pe == rank ? static_cast<const void*>(args.inpWeights + size_t(slot) * kK + lane)
+                                    : static_cast<const void*>(recvW + size_t(pe * kM + t) * kK + lane);
 #pragma unroll
       for (int i = 0; i < kWs; ++i)  // (static indices: the arrays stay in registers)
         if (i == n) row[i] = r, w[i] = wp;
+      if constexpr (kLow) pes |= uint32_t(pe) << (4 * n);
       ++n;
     }
   }
+  MORI_DEVICE int Pe(int i) const { return int(pes >> (4 * i)) & 15; }
+  MORI_DEVICE bool Peer(int i, int rank) const { return Pe(i) != rank; }
 };
+
+// Low latency: spin until the word at p is no longer kEmptyWord (a peer's row has started to land).
+// After args.timeoutNs the timeout is recorded (`tok`: the token whose row never came).
+MORI_DEVICE void AwaitWord(const EpArgs& a, const uint32_t* p, int peer, int tok) {
+  if (plat::load_word_relaxed(p) != kEmptyWord) return;
+  const uint64_t t0 = plat::now_ns();
+  while (plat::load_word_relaxed(p) == kEmptyWord)
+    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
+      RecordError(a, kErrTimeout, (uint64_t(kWaitCombineRows) << 48) | (uint64_t(peer) << 32) | (uint64_t(a.rank) << 16),
+                  uint64_t(tok));
+      return;
+    }
+}
+
+// Low latency, after a pair of sources' first loads (SumRange): wait for each peer's weight (here
+// once it carries this combine's epoch; a short row's is 0), then reload whatever vector still
+// holds an empty word (a row's words land in no set order; rarely anything). The timeout decision
+// is wave-uniform: each lane reads its own clock, and a lane that left alone would leave its wave's
+// next vote short of it (the hang of PERF.md session 15, run 7).
+template <EpCfg kCfg, typename Src>
+MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, int s, int pair, bool withW, int v0,
+                           int t, uint64_t (&tw)[2], float* wv, vec16_t (&buf)[2][kCfg.vecUnroll]) {
+  constexpr int kW = kCfg.waveSize, kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll;
+  const int rank = args.rank;
+  auto timedOut = [&](int peer) {
+    RecordError(args, kErrTimeout, (uint64_t(kWaitCombineRows) << 48) | (uint64_t(peer) << 32) | (uint64_t(rank) << 16),
+                uint64_t(t));
+  };
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+    if (withW && p < pair && src.Peer(s + p, rank)) {
+      for (uint64_t since = 0; !WeightArrived(tw[p], target);) {
+        const uint64_t now = plat::now_ns();
+        if (!since) since = now;
+        if (now - since > uint64_t(args.timeoutNs)) {  // (no vote in this loop: per lane is safe)
+          timedOut(src.Pe(s + p));
+          break;
+        }
+        tw[p] = plat::load_relaxed_system(static_cast<const uint64_t*>(src.w[s + p]));
+      }
+      wv[s + p] = plat::bits_float(uint32_t(tw[p]));
+    }
+  for (uint64_t since = 0;;) {
+    bool empty = false;
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs) empty |= HasWord(buf[p][u], kEmptyWord);
+    if (!plat::wave_any(empty)) return;
+    const uint64_t now = plat::now_ns();
+    if (!since) since = now;
+    if (plat::wave_any(now - since > uint64_t(args.timeoutNs))) {
+      timedOut(src.Pe(src.Peer(s, rank) ? s : s + 1));
+      return;
+    }
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs && HasWord(buf[p][u], kEmptyWord))
+          buf[p][u] = plat::load_words_relaxed(src.row[s + p] + v0 + u * kW);
+  }
+}
 
 // Sum range b of this rank's tokens: wait for every peer's flag of the range, then sum each token's
 // rows (ItemSources) in fp32. One work item is one chunk of one token's row; the items go round the
@@ -247,33 +373,43 @@ struct ItemSources {
 // next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
 // loads and its stores, so that neither the block's count nor the combine-done release waits for
 // those stores (nothing needs them before the kernel's end). `seen`: when the flags were seen.
-template <EpCfg kCfg, typename T, typename Finish>
+// kLow (LowLatency): no flags. Each wave waits for its own item's rows: lane 0 polls one word of
+// each peer row (the chunk's last), then the wave loads the chunk with strong loads, reloads any
+// vector still holding an empty word, sums, and sets the words it read back to kEmptyWord for the
+// next combine (before its block's count); `seen` is then when the wave last had its rows.
+template <EpCfg kCfg, typename T, bool kLow, typename Finish>
 MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, int b, const int* nextRange,
                           int numRanges, Finish&& finish) {
   constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize, kM = kCfg.maxTokPerRank;
   constexpr int kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll, kWaves = kCfg.warpPerBlock;
   constexpr int kPerVec = 16 / sizeof(T), kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
+  using Src = ItemSources<kCfg, kLow>;
   const int rank = args.rank, lane = plat::lane_id(), wave = plat::wave_id(), n = args.numTokens;
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
-  const uint64_t* flags = At<uint64_t>(args, rank, args.off_comb_flags);
   const int t0 = b * kRangeTok, numItems = min(kRangeTok, n - t0) * kChunks;
   // The wave's first item's sources (from the forward map, which a previous kernel wrote), worked
   // out before the wait: after it, that arithmetic cost 0.6-0.8 us of issue (every wave of the
   // block runs it at once, four to a scheduler).
-  ItemSources<kCfg> src(args, sumWeights, wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1,
-                        t0 + wave / kChunks, (wave % kChunks) * kChunkVecs + lane);
-  // One poller per peer and block (a poller per wave measured slower: the polls load the memory
-  // system the senders use).
-  if (threadIdx.x < kWs && threadIdx.x != rank) {
-    const uint64_t seen = WaitAtLeast(args, flags + threadIdx.x * kM + b, RangeFlag(target, false), kWaitCombineRange,
-                                      threadIdx.x);
-    if (seen == RangeFlag(target, true))  // the peer's rows of some of these tokens were never sent
-      RecordError(args, kErrPeerShortInput, (uint64_t(threadIdx.x) << 32) | (uint64_t(rank) << 16), uint64_t(t0));
+  Src src(args, sumWeights, wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1,
+          t0 + wave / kChunks, (wave % kChunks) * kChunkVecs + lane);
+  uint64_t seen = 0;
+  if constexpr (!kLow) {
+    // One poller per peer and block (a poller per wave measured slower: the polls load the memory
+    // system the senders use).
+    if (threadIdx.x < kWs && threadIdx.x != rank) {
+      const uint64_t* flags = At<uint64_t>(args, rank, args.off_comb_flags);
+      const uint64_t got = WaitAtLeast(args, flags + threadIdx.x * kM + b, RangeFlag(target, false), kWaitCombineRange,
+                                       threadIdx.x);
+      if (got == RangeFlag(target, true))  // the peer's rows of some of these tokens were never sent
+        RecordError(args, kErrPeerShortInput, (uint64_t(threadIdx.x) << 32) | (uint64_t(rank) << 16), uint64_t(t0));
+    }
+    __syncthreads();  // the acquire loads above, then the barrier, order every thread's loads below
+    if constexpr (plat::kFenceEveryWave) plat::fence_system();
+    seen = plat::now_ns();
+    if (b == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
+  } else {
+    __syncthreads();  // publishes *nextRange (the claimer's store before this call)
   }
-  __syncthreads();  // the acquire loads above, then the barrier, order every thread's loads below
-  if constexpr (plat::kFenceEveryWave) plat::fence_system();
-  const uint64_t seen = plat::now_ns();
-  if (b == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
   const bool closing = *nextRange >= numRanges;  // block-uniform (the barrier above published it)
   const int rounds = (numItems + kWaves - 1) / kWaves;
   for (int round = 0; round < rounds; ++round) {
@@ -295,20 +431,58 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
     const int v0 = chunk * kChunkVecs + lane;
     if (has) {
       const int numSrc = src.n;
+      if constexpr (kLow) {
+        if (lane == 0) {  // one word of each peer row of the item: the chunk's last vector's
+          const int last = min((chunk + 1) * kChunkVecs, kVecs) - 1;
 #pragma unroll
-      for (int s = 0; s < kWs; ++s)
-        if (withW && s < numSrc) wv[s] = plat::load_peer_f32(src.w[s]);
+          for (int s = 0; s < kWs; ++s)
+            if (s < numSrc && src.Peer(s, rank))
+              AwaitWord(args, reinterpret_cast<const uint32_t*>(src.row[s] + last) + 3, src.Pe(s), t);
+        }
+        plat::wave_sync();
+      } else {
+#pragma unroll
+        for (int s = 0; s < kWs; ++s)
+          if (withW && s < numSrc) wv[s] = plat::load_peer_f32(static_cast<const float*>(src.w[s]));
+      }
       // two sources' loads in flight at once (a token has one source per rank it went to)
 #pragma unroll
       for (int s = 0; s < kWs; s += 2) {  // (static indices into src: registers, not the stack)
         if (s >= numSrc) break;
         const int pair = s + 1 < numSrc ? 2 : 1;
         vec16_t buf[2][kUnroll];
+        bool shortRow[2] = {false, false};
+        if constexpr (kLow) {
+          uint64_t tw[2] = {0, 0};  // a peer's TaggedWeight, loaded before the rows
 #pragma unroll
-        for (int p = 0; p < 2; ++p)
+          for (int p = 0; p < 2; ++p)
+            if (withW && p < pair) {
+              if (src.Peer(s + p, rank)) tw[p] = plat::load_relaxed_system(static_cast<const uint64_t*>(src.w[s + p]));
+              else wv[s + p] = plat::load_peer_f32(static_cast<const float*>(src.w[s + p]));
+            }
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (p < pair && v0 + u * kW < kVecs) buf[p][u] = plat::load_peer(src.row[s + p] + v0 + u * kW);
+          for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+              if (p < pair && v0 + u * kW < kVecs)
+                buf[p][u] = src.Peer(s + p, rank) ? plat::load_words_relaxed(src.row[s + p] + v0 + u * kW)
+                                                  : plat::load_peer(src.row[s + p] + v0 + u * kW);
+          AwaitRest<kCfg>(args, target, src, s, pair, withW, v0, t, tw, wv, buf);
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            // a peer's row beyond its short input came as kShortWord words: summed without it, reported
+            const bool peer = p < pair && src.Peer(s + p, rank);
+            shortRow[p] = plat::wave_any(peer && v0 < kVecs && HasWord(buf[p][0], kShortWord));
+            if (shortRow[p] && chunk == 0 && lane == 0)
+              RecordError(args, kErrPeerShortInput, (uint64_t(src.Pe(s + p)) << 32) | (uint64_t(rank) << 16), uint64_t(t));
+          }
+        } else {
+#pragma unroll
+          for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+              if (p < pair && v0 + u * kW < kVecs) buf[p][u] = plat::load_peer(src.row[s + p] + v0 + u * kW);
+        }
 #pragma unroll
         for (int p = 0; p < 2; ++p)
 #pragma unroll
@@ -316,8 +490,19 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
             const T* el = reinterpret_cast<const T*>(&buf[p][u]);
 #pragma unroll
             for (int e = 0; e < kPerVec; ++e)
-              if (p < pair) acc[u][e] += to_f32(el[e]);
+              if (p < pair && !shortRow[p]) acc[u][e] += to_f32(el[e]);
           }
+        if constexpr (kLow)  // the peers' words back to empty for the next combine (before the count)
+#pragma unroll
+          for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+              if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs)
+                plat::store_words_relaxed(const_cast<vec16_t*>(src.row[s + p]) + v0 + u * kW, WordVec(kEmptyWord));
+      }
+      if constexpr (kLow) {
+        seen = plat::now_ns();
+        if (b == 0 && round == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
       }
     }
     if (closing && round == rounds - 1) finish(seen);  // every read of this block is done
@@ -339,7 +524,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
         args.outWeights[t * kK + lane] = w;
       }
     }
-    if (round + 1 < rounds) src = ItemSources<kCfg>(args, sumWeights, nextFlat, t0 + next / kChunks);
+    if (round + 1 < rounds) src = Src(args, sumWeights, nextFlat, t0 + next / kChunks);
   }
 }
 
@@ -350,6 +535,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
   static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
   static_assert(kRangeTok <= kCfg.waveSize, "a range's slots are held one per lane");
+  static_assert(kCfg.worldSize <= 8 && kMaxPeers <= 16, "ItemSources packs a source's rank in 4 bits, 8 sources");
   constexpr int kWs = kCfg.worldSize;
   const int rank = args.rank;
   uint64_t* sync = SyncWords(args);
@@ -399,7 +585,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // block waits for another. seen: when this block last saw a range's flags (0: it summed none).
   auto finish = [&](uint64_t seen) {
     const uint64_t summed = plat::now_ns();
-    FenceBlockLoadsDevice();  // every load of this block, before the counts that free its memory
+    FenceBlockLocalDevice();  // every load (and empty-word store) of this block, before the counts
     if (threadIdx.x != 0) return;
     const uint64_t share = BlockShare();
     for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbCombine) + rank, share);
@@ -423,7 +609,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   if (first >= numRanges) finish(0);  // (a block with no range to sum ends here)
   for (int i = 0, r = first; r < numRanges; ++i) {
     if (int(threadIdx.x) == claimer) claimed[(i + 1) & 1] = claims ? int(plat::atomic_add_device(next, 1u)) : r + grid;
-    SumRange<kCfg, T>(args, target, sumWeights, r, &claimed[(i + 1) & 1], numRanges, finish);
+    // (the op launches a lowLatencySum binary exactly when LowLatency(n): one protocol per binary)
+    SumRange<kCfg, T, kCfg.lowLatencySum>(args, target, sumWeights, r, &claimed[(i + 1) & 1], numRanges, finish);
     r = claimed[(i + 1) & 1];
   }
 }

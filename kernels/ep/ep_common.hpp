@@ -67,12 +67,13 @@ MORI_DEVICE void FenceBlockSystem() {
   if (threadIdx.x == 0) plat::fence_system();
 }
 
-// Order the block's earlier loads of this GPU's own memory before thread 0's next access: a relaxed
-// system-scope count that lets a peer overwrite that memory may follow. A loaded value cannot
-// change once the load is performed at device scope (at this GPU's L2, where a peer's stores land
-// too), so a device-scope fence is enough; the system-scope one took 1.4 us here against 0.4
-// (PERF.md session 14). NCCL returns a receive credit (postPeer) with no fence at all.
-MORI_DEVICE void FenceBlockLoadsDevice() {
+// Order the block's earlier accesses of this GPU's own memory (its loads, and the low-latency
+// combine's stores that set comb_ll words back to empty) before thread 0's next access: a relaxed
+// system-scope count that lets a peer overwrite that memory may follow. Performed at device scope,
+// a load has its value and a store is in this GPU's L2, which is where a peer's stores land too,
+// after the peer has seen the count; so a device-scope fence is enough (the system-scope one took
+// 1.4 us here against 0.4: PERF.md session 14). NCCL returns a receive credit with no fence at all.
+MORI_DEVICE void FenceBlockLocalDevice() {
   if constexpr (plat::kFenceEveryWave) plat::fence_device();
   __syncthreads();
   if (threadIdx.x == 0) plat::fence_device();

@@ -72,6 +72,35 @@ MORI_DEVICE void store_stream(vec16_t* p, vec16_t v) { __builtin_nontemporal_sto
 // release): nontemporal (glc/slc) so no stale line is hit.
 MORI_DEVICE vec16_t load_peer(const vec16_t* p) { return __builtin_nontemporal_load(p); }
 MORI_DEVICE float load_peer_f32(const float* p) { return __builtin_nontemporal_load(p); }
+// Words a peer polls with no flag (the combine's rows): a 16-byte vector as four 32-bit relaxed
+// system-scope atomics, so a reader sees each word either before or after the writer's store.
+MORI_DEVICE void store_words_relaxed(vec16_t* p, vec16_t v) {
+  unsigned* w = reinterpret_cast<unsigned*>(p);
+  __hip_atomic_store(w + 0, v.x, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_store(w + 1, v.y, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_store(w + 2, v.z, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_store(w + 3, v.w, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MORI_DEVICE vec16_t load_words_relaxed(const vec16_t* p) {
+  const unsigned* w = reinterpret_cast<const unsigned*>(p);
+  vec16_t v;
+  v.x = __hip_atomic_load(w + 0, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  v.y = __hip_atomic_load(w + 1, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  v.z = __hip_atomic_load(w + 2, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  v.w = __hip_atomic_load(w + 3, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  return v;
+}
+MORI_DEVICE uint32_t load_word_relaxed(const uint32_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MORI_DEVICE void store_relaxed_system(uint64_t* p, uint64_t v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MORI_DEVICE uint64_t load_relaxed_system(const uint64_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MORI_DEVICE uint32_t float_bits(float f) { return __float_as_uint(f); }
+MORI_DEVICE float bits_float(uint32_t u) { return __uint_as_float(u); }
 // A hint to bring p's line into L2 ahead of a load. gfx9 has no global prefetch instruction, and a
 // load into a dead register would make the wave wait for it at its next s_waitcnt: nothing.
 MORI_DEVICE void prefetch_l2(const void*) {}

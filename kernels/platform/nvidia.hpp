@@ -82,6 +82,35 @@ MORI_DEVICE float load_peer_f32(const float* p) {
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
+// Words a peer polls with no flag (the combine's rows): a 16-byte vector stored or loaded as four
+// 32-bit relaxed system-scope accesses. PTX performs a vector access as its elements' scalar
+// accesses, and morally strong accesses of one aligned word are single-copy atomic, so a reader
+// sees each word either before or after the writer's store, never a mix.
+MORI_DEVICE void store_words_relaxed(vec16_t* p, vec16_t v) {
+  asm volatile("st.relaxed.sys.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w) : "memory");
+}
+MORI_DEVICE vec16_t load_words_relaxed(const vec16_t* p) {
+  vec16_t v;
+  asm volatile("ld.relaxed.sys.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+MORI_DEVICE uint32_t load_word_relaxed(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+MORI_DEVICE void store_relaxed_system(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MORI_DEVICE uint64_t load_relaxed_system(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MORI_DEVICE uint32_t float_bits(float f) { return __float_as_uint(f); }
+MORI_DEVICE float bits_float(uint32_t u) { return __uint_as_float(u); }
 // A hint: bring the line holding p into this GPU's L2 (no register, nothing to wait for), so that
 // a load issued later hits L2 instead of HBM.
 MORI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }

@@ -102,8 +102,12 @@ class SymmArena:
 
     def zero(self, *names: str) -> None:
         """Zero regions ``names`` on this rank (stream-ordered; the caller synchronizes ranks)."""
+        self.fill(0, *names)
+
+    def fill(self, byte: int, *names: str) -> None:
+        """Set every byte of regions ``names`` on this rank to ``byte`` (stream-ordered)."""
         for n in names:
-            self.tensor[self.offsets[n]:self.offsets[n] + self.sizes[n]].zero_()
+            self.tensor[self.offsets[n]:self.offsets[n] + self.sizes[n]].fill_(byte)
 
     def close(self) -> None:
         """Release the memory; the arena holds an empty tensor and no peer bases afterwards."""

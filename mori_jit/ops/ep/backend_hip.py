@@ -19,8 +19,8 @@ from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
-from .cfg import (COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EpMaxRecv, ErrCode, FlagUnit, WaitId,
-                  region_bytes)
+from .cfg import (COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, CombWord, EpMaxRecv, ErrCode, FlagUnit,
+                  WaitId, region_bytes)
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
 from .variants import ep_variants, plan_requests
@@ -30,9 +30,15 @@ __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSA
 #: What each spin-wait of the kernels waits for (every WaitId has one; a CPU test checks).
 WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispatch-done count",
                  WaitId.kWaitCombineDone: "waiting for a peer to finish its previous combine (combine-done count)",
-                 WaitId.kWaitCombineRange: "combine: waiting for a peer's rows of a token range (range-ready flag)"}
-# Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots).
-_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync")
+                 WaitId.kWaitCombineRange: "combine: waiting for a peer's rows of a token range (range-ready flag)",
+                 WaitId.kWaitCombineRows: "combine (low latency): waiting for a peer's row of a token (its words "
+                                          "never arrived)"}
+# Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots and weights).
+_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "comb_ll_wts", "xdb", "sync")
+# Regions whose every 32-bit word starts as CombWord.kEmptyWord (filled with this byte).
+_EMPTY_REGIONS = ("comb_ll",)
+_EMPTY_BYTE = 0xFF
+assert int.from_bytes(bytes([_EMPTY_BYTE]) * 4, "little") == CombWord.kEmptyWord
 
 
 class HipRouting(NamedTuple):
@@ -51,20 +57,23 @@ def decode_error(words: list[int], rank: int) -> str:
     code, detail, extra = words[0], words[1], words[2]
     if code == ErrCode.kErrTimeout:
         wait, peer, who = detail >> 48, (detail >> 32) & 0xFFFF, (detail >> 16) & 0xFFFF
+        said = f"rank {who}: {WAIT_MESSAGES.get(wait, f'wait {wait}')} from rank {peer} timed out after MORI_EP_TIMEOUT_S"
+        if wait == WaitId.kWaitCombineRows:
+            return f"{said} (token {extra}); a peer skipped or is stuck in a collective"
         # how far each word moves per epoch: a range flag 2 (its low bit carries a short input), a
         # done count kDoneUnit
         unit, what = {WaitId.kWaitCombineRange: (2, "combine"), WaitId.kWaitCombineDone: (FlagUnit.kDoneUnit, "combine"),
                       WaitId.kWaitDispatchDone: (FlagUnit.kDoneUnit, "dispatch")}.get(wait, (1, ""))
         goal = f"{extra} = {int(unit)} x {what} epoch {extra // unit}" if unit > 1 else f"{extra}"
-        return (f"rank {who}: {WAIT_MESSAGES.get(wait, f'wait {wait}')} from rank {peer} timed out after "
-                f"MORI_EP_TIMEOUT_S (flag never reached {goal}); a peer skipped or is stuck in a collective")
+        return f"{said} (flag never reached {goal}); a peer skipped or is stuck in a collective"
     if code == ErrCode.kErrShortInput:
         return (f"rank {(detail >> 16) & 0xFFFF}: combine input had {extra & 0xFFFFFFFF} rows but dispatch "
                 f"received {extra >> 32}; the missing rows were not combined")
     if code == ErrCode.kErrPeerShortInput:
         who, peer = (detail >> 16) & 0xFFFF, detail >> 32
+        # (a range flag reports its range's first token, the low-latency path the token itself)
         return (f"rank {who}: rank {peer}'s combine input was short (that rank reports its row counts), so "
-                f"tokens of rank {who} from token {extra} on were summed without rank {peer}'s rows: this "
+                f"tokens of rank {who} (first reported at token {extra}) were summed without rank {peer}'s rows: this "
                 f"combine's output on rank {who} is wrong")
     return f"unknown device error code {code:#x} (detail {detail:#x})"
 
@@ -127,6 +136,10 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
         assert arena is not None
         var, tc, dev = self._variants, self._toolchain, self.device
+        # before any peer's first combine pushes here (construction is collective)
+        arena.fill(_EMPTY_BYTE, *_EMPTY_REGIONS)
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=self.group)
         # every variant is compiled and loaded here, before the first _pick (precompile walks the same list)
         requests = plan_requests(cfg, tc.arch, self._num_cus)
         build_many(requests, tc)  # misses compile in parallel; loading stays on this thread (its context)
@@ -201,6 +214,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             torch.cuda.synchronize(dev)
             dist.barrier(group=self.group)
             arena.zero(*_SYNC_REGIONS)
+            arena.fill(_EMPTY_BYTE, *_EMPTY_REGIONS)  # a failed combine may have left words unread
             err.zero_()
             torch.cuda.synchronize(dev)
             dist.barrier(group=self.group)
