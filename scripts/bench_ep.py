@@ -230,7 +230,7 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
             num_experts_per_rank=epr, num_experts_per_token=args.k, data_type=comb_t,
             dispatch_data_type=None if disp_t == comb_t else disp_t,
             combine_data_type=None if disp_t == comb_t else comb_t, kernel_backend=backend, schedule=schedule,
-            combine_low_latency_tokens=args.low_latency_tokens)
+            combine_low_latency={"auto": None, "on": True, "off": False}[args.low_latency])
 
     sets = [_inputs(rank, ws, n, args.hidden, args.k, args.experts, disp_t, dev, gen) for _ in range(4)]
     remote = statistics.mean(_remote_rows(s[2], rank, ws, epr) for s in sets)
@@ -469,8 +469,8 @@ def main(argv=None) -> int:
     ap.add_argument("--legs", nargs="+", default=["bf16", "fp8"], choices=sorted(LEGS))
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--low-latency-tokens", type=int, default=None,
-                    help="EpDispatchCombineConfig.combine_low_latency_tokens (default: the op's; 0: range flags only)")
+    ap.add_argument("--low-latency", choices=("auto", "on", "off"), default="auto",
+                    help="EpDispatchCombineConfig.combine_low_latency (auto: by the op's size, each point's tokens)")
     ap.add_argument("--sweep", action="store_true", help="sweep blocks x warps (hip graph mode only)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 132])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])

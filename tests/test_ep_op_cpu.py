@@ -112,7 +112,7 @@ def test_capability_gate_lists_everything_before_allocating():
     ("dispatch_data_type", FP8, "set together"),
     ("dispatch_block_num", 0, "dispatch_block_num=0"),
     ("schedule", [(None, 1, 2)], "schedule bucket"),
-    ("combine_low_latency_tokens", -1, "combine_low_latency_tokens=-1: expected an int >= 0"),
+    ("combine_low_latency", "yes", "combine_low_latency='yes': expected None"),
 ])
 def test_config_errors_name_the_field(field, value, match):
     base = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=4,
@@ -136,7 +136,6 @@ def test_combine_refuses_byte_dtypes():
     ({"maxRecv": 3, "worldSize": 2}, "worst case"),
     ({"warpPerBlock": 40}, "<= 1024"),
     ({"blockNum": 1 << 20}, "done counter's unit"),
-    ({"maxTokPerRank": 64, "lowLatencyTok": 65}, "lowLatencyTok must be in 0..maxTokPerRank"),
 ])
 def test_ep_cfg_validity_is_a_construction_error(request_, rule):
     with pytest.raises(ConfigError, match=rule):
@@ -187,8 +186,7 @@ def test_tuning_lookup_merges_misaligned_edges_and_clamps(monkeypatch):
 def test_variants_follow_schedule_and_pins():
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=4096,
                                   num_experts_per_rank=128, num_experts_per_token=8, data_type=torch.bfloat16,
-                                  schedule=[(128, 16, 8, 8, 8), (None, 132, 16, 200, 8)],
-                                  combine_low_latency_tokens=128)  # (an edge already: no bucket added)
+                                  schedule=[(128, 16, 8, 8, 8), (None, 132, 16, 200, 8)])
     v = ep_variants(cfg, "sm_90a", 132)
     assert [(c.blockNum, c.warpPerBlock) for c in v.dispatch] == [(16, 8), (132, 16)]
     assert [(c.blockNum, c.warpPerBlock) for c in v.combine] == [(8, 8), (132, 8)]
@@ -201,32 +199,27 @@ def test_variants_follow_schedule_and_pins():
     assert len(v.all_cfgs()) == 2
 
 
-def test_low_latency_threshold_reaches_the_combine_leg_only():
+def test_low_latency_is_the_ops_choice_and_reaches_the_combine_leg_only():
     from mori_jit.ops.ep.specs import EP_COMBINE as COMBINE_SPEC
 
-    base = dict(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=4096, num_experts_per_rank=128,
-                num_experts_per_token=8)
-    v = ep_variants(EpDispatchCombineConfig(**base), "sm_90a", 132)
-    assert {c.lowLatencyTok for c in v.combine} == {hip_tuning.DEFAULT_LOW_LATENCY_TOKENS}
-    assert {c.lowLatencyTok for c in v.dispatch} == {0}  # (not in the dispatch binaries' identity)
-    off = ep_variants(EpDispatchCombineConfig(**base, combine_low_latency_tokens=0), "sm_90a", 132)
-    assert {c.lowLatencyTok for c in off.combine} == {0}
-    assert set(off.dispatch) == set(v.dispatch) and not set(off.combine) & set(v.combine)  # other binaries, keys
-    # every value from max_num_inp_token_per_rank up means "always": one binary
-    small = {**base, "max_num_inp_token_per_rank": 64}
-    assert ep_variants(EpDispatchCombineConfig(**small, combine_low_latency_tokens=10 ** 6), "sm_90a", 132) == \
-        ep_variants(EpDispatchCombineConfig(**small, combine_low_latency_tokens=64), "sm_90a", 132)
-    # each combine binary's summers read one protocol: the bucket of every n has lowLatencySum iff the
-    # senders (which decide by the home rank's n at run time) send that n low latency
-    for low in (None, 0, 93, 300, 4096):
-        v = ep_variants(EpDispatchCombineConfig(**base, combine_low_latency_tokens=low), "sm_90a", 132)
-        t = v.combine[0].lowLatencyTok
-        assert t == (hip_tuning.DEFAULT_LOW_LATENCY_TOKENS if low is None else low)
-        for n in range(1, 4097):
-            assert v.combine[v.schedule.index(n)].lowLatencySum == (n <= t), (low, n)
-        assert len({COMBINE_SPEC.entry_name(c) for c in v.combine}) == len(set(v.combine))  # names tell them apart
-    one = ep_variants(EpDispatchCombineConfig(**{**base, "world_size": 1, "num_experts_per_rank": 256}), "sm_90a", 132)
-    assert {c.lowLatencyTok for c in one.combine} == {0}  # one rank: no peer rows, no comb_ll region
+    base = dict(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128, num_experts_per_token=8)
+    cut = hip_tuning.LOW_LATENCY_MAX_TOKENS
+
+    def legs(m, **kw):
+        v = ep_variants(EpDispatchCombineConfig(**base, max_num_inp_token_per_rank=m, **kw), "sm_90a", 132)
+        return {c.lowLatency for c in v.dispatch}, {c.lowLatency for c in v.combine}, v
+
+    assert legs(cut)[:2] == ({False}, {True})  # by the op's size: up to the cut, every combine
+    assert legs(cut + 1)[:2] == ({False}, {False})
+    assert legs(4096, combine_low_latency=True)[:2] == ({False}, {True})
+    assert legs(128, combine_low_latency=False)[:2] == ({False}, {False})
+    _, _, on = legs(128)
+    _, _, off = legs(128, combine_low_latency=False)
+    assert set(on.dispatch) == set(off.dispatch) and not set(on.combine) & set(off.combine)  # other keys
+    assert all(COMBINE_SPEC.entry_name(c).endswith("_ll") for c in on.combine)
+    one = ep_variants(EpDispatchCombineConfig(**{**base, "world_size": 1, "num_experts_per_rank": 256},
+                                              max_num_inp_token_per_rank=128), "sm_90a", 132)
+    assert {c.lowLatency for c in one.combine} == {False}  # one rank: no peer rows to signal
 
 
 def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):
@@ -237,8 +230,8 @@ def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):
     with pytest.raises(ConfigError, match="combine blockNum=200 exceeds the 132"):
         ep_variants(cfg, "sm_90a", 132)
     monkeypatch.delenv("MORI_V2_EP_COMBINE_BLOCK_NUM")
-    monkeypatch.setenv("MORI_V2_EP_COMBINE_LOW_LATENCY_TOK", "16")  # buckets cut at 64: would hang
-    with pytest.raises(ConfigError, match="lowLatencyTok=16.*combine_low_latency_tokens instead"):
+    monkeypatch.setenv("MORI_V2_EP_COMBINE_LOW_LATENCY", "0")  # it sizes regions: the config says it
+    with pytest.raises(ConfigError, match="lowLatency=False from MORI_V2_EP_.*combine_low_latency instead"):
         ep_variants(cfg, "sm_90a", 132)
 
 

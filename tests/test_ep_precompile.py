@@ -44,9 +44,8 @@ def test_precompile_key_set_equals_live_op(fake_cc, arch, num_cus, capsys):
     got = set(cache.list_entries())
     assert got == want and len(got) >= 2
     assert all(p.name.startswith(("kernel.mori_ep_dispatch_fp8_ws2", "kernel.mori_ep_combine_bf16_ws2")) for p in got)
-    # a scheduled op asks for more variants; they are all distinct and compile (2 dispatch; combine 64x8
-    # with low-latency sums up to the default 256 tokens, 500x16 clamped, then 132 with range flags)
-    assert len(_live_op_keys(cfg, arch, num_cus)) == 5
+    # a scheduled op asks for more variants; they are all distinct and compile
+    assert len(_live_op_keys(cfg, arch, num_cus)) == 4
 
 
 def test_precompile_ep_bad_input(fake_cc, capsys):
@@ -103,7 +102,7 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
     assert len(built) == 3, sorted(built)
 
 
-def _combine_ptx(tmp_path_factory, low_latency_tokens) -> str:
+def _combine_ptx(tmp_path_factory, low_latency) -> str:
     """nvcc's PTX of the EP2 bf16 combine as the op renders it (sm_90a, the 128-token variant)."""
     from jit_helpers import nvcc_ptx
     from mori_jit.jit.paths import kernels_dir
@@ -111,7 +110,7 @@ def _combine_ptx(tmp_path_factory, low_latency_tokens) -> str:
     tc = toolchain_or_skip("sm_90a")
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=128,
                                   num_experts_per_rank=128, num_experts_per_token=8, data_type=torch.bfloat16,
-                                  combine_low_latency_tokens=low_latency_tokens)
+                                  combine_low_latency=low_latency)
     spec, c = next((s, c) for s, c in plan_requests(cfg, "sm_90a", 132) if "combine" in s.entry_name(c))
     tmp = tmp_path_factory.mktemp("combine_ptx")
     src = tmp / "combine.cu"
@@ -121,26 +120,28 @@ def _combine_ptx(tmp_path_factory, low_latency_tokens) -> str:
 
 @pytest.fixture(scope="module")
 def combine_ptx(tmp_path_factory) -> str:
-    """The range-flag combine alone (low latency off)."""
-    return _combine_ptx(tmp_path_factory, 0)
+    """The range-flag combine (low latency off)."""
+    return _combine_ptx(tmp_path_factory, False)
 
 
 @pytest.fixture(scope="module")
 def combine_ptx_low(tmp_path_factory) -> str:
-    """The op's default combine at M = 128: low latency up to 128 tokens (the range flags still in it)."""
+    """The op's default combine at M = 128: low latency."""
     return _combine_ptx(tmp_path_factory, None)
 
 
 def test_nvcc_low_latency_rows_are_word_atomic_and_absent_when_off(combine_ptx, combine_ptx_low):
     """Low-latency rows rely on every 32-bit word being single-copy atomic: pushed, polled and set
     back to empty as relaxed system-scope accesses (`.v4.b32`: PTX performs a vector access as its
-    elements' accesses). With the threshold 0 the binary carries none of that code."""
+    elements' accesses). The range-flag binary carries none of that code, and the low-latency one
+    no range flag (no acquire poll but the sender's combine-done wait, no release store)."""
     import re
 
     for op in ("st", "ld"):
         assert re.search(rf"{op}\.relaxed\.sys\.global\.v4\.b32", combine_ptx_low), op
         assert not re.search(rf"{op}\.relaxed\.sys\.global\.v4\.b32", combine_ptx), op
     assert re.search(r"ld\.relaxed\.sys\.global\.b32", combine_ptx_low)  # the poll of one word
+    assert not re.search(r"st\.release\.sys", combine_ptx_low) and re.search(r"st\.release\.sys", combine_ptx)
 
 
 def test_nvcc_combine_phase_stamps_are_fire_and_forget(combine_ptx):

@@ -37,8 +37,8 @@ def _poison(op):
     """Poison every dispatch output view (not the sync words), then make sure no peer is mid-write."""
     a = op.arena
     for name in ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv",
-                 "comb_recv", "comb_recv_wts", "comb_ll", "comb_ll_wts"):
-        # NaN / -1 patterns (comb_ll: 0xFF is also its empty state, which the op keeps between calls)
+                 "comb_recv", "comb_recv_wts"):
+        # NaN / -1 patterns (0xFF is also the low-latency comb_recv's empty state, kept between calls)
         a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)
     torch.cuda.synchronize()
     torch.distributed.barrier()
@@ -103,7 +103,7 @@ def _golden_job(rank, ws):
         if k > 16:
             continue
         # every other case with range flags, the others low latency (the default at m = 96)
-        low = {"combine_low_latency_tokens": 0} if i % 2 else {}
+        low = {"combine_low_latency": False} if i % 2 else {}
         with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, disp, comb, m, **low), None) as op, \
                 EpDispatchCombineOp(_cfg(rank, ws, hidden, k, disp, comb, m, "torch"), None) as ref:
             # token counts change between calls; n = M, n = 0, dropped slots, all to one rank
@@ -119,27 +119,26 @@ def _golden_job(rank, ws):
             for n in (m, 37, 0):
                 _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
     # Ranks on different grids (each rank picks its geometry from its own token count): a rank's
-    # dispatch-done count and its combine ranges must not depend on its peers' grids. Low latency up
-    # to 93 tokens: at n = 96 / 91 the even ranks get range flags while the odd ones get low-latency
-    # rows, so one kernel sends in one protocol and sums in the other.
+    # dispatch-done count and its combine ranges must not depend on its peers' grids.
     blocks = (8, 24, 16, 40)[rank % 4]
-    with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, m, dispatch_block_num=blocks,
-                                  combine_block_num=blocks, combine_low_latency_tokens=93), None) as op:
-        for n in (m, 37, 0, m):
-            _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
+    for low in (None, False):
+        with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, m, dispatch_block_num=blocks,
+                                      combine_block_num=blocks, combine_low_latency=low), None) as op:
+            for n in (m, 37, 0, m):
+                _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
 
 
 def _rounds_job(rank, ws):
     from mori_jit.ops.ep import EpDispatchCombineOp
 
     gen = torch.Generator().manual_seed(99 + rank)
-    # low latency up to 32 tokens: the protocol changes between rounds (and between the ranks)
-    with EpDispatchCombineOp(_cfg(rank, ws, 2048, 8, BF16, BF16, 64, combine_low_latency_tokens=32), None) as op:
-        for i in range(200):  # no reset() between rounds: device-side epochs and counters
-            _round(op, op.cfg, rank, ws, gen, int(torch.randint(0, 65, (1,), generator=gen)))
-            if i % 50 == 0:
-                print(f"[rank {rank}] round {i} ok", flush=True)
-        op.check()
+    for low in (None, False):  # low latency (the default at m = 64), then range flags
+        with EpDispatchCombineOp(_cfg(rank, ws, 2048, 8, BF16, BF16, 64, combine_low_latency=low), None) as op:
+            for i in range(200):  # no reset() between rounds: device-side epochs and counters
+                _round(op, op.cfg, rank, ws, gen, int(torch.randint(0, 65, (1,), generator=gen)))
+                if i % 50 == 0:
+                    print(f"[rank {rank}] round {i} ok", flush=True)
+            op.check()
 
 
 def _graph_job(rank, ws):
@@ -207,9 +206,10 @@ def _combine_inputs_job(rank, ws):
     gen = torch.Generator().manual_seed(31 + rank)
     dev = torch.device("cuda", rank)
     hidden, k = 2048, 8
-    # m = 40: low latency (the default there), then range flags; 1100: both, by each call's n
-    for m, low in ((40, None), (40, 0), (1100, None)):
-        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency_tokens=low), None) as op:
+    # m = 40: low latency (the default there), then range flags; 1100: range flags (the default),
+    # then low latency with dedicated senders and claimed sums
+    for m, low in ((40, None), (40, False), (1100, None), (1100, True)):
+        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency=low), None) as op:
             cfg = op.cfg
             stage = op.get_combine_input_buffer()
             # one buffer for the op's life, outside the symmetric arena (only this rank reads it)
@@ -284,8 +284,8 @@ def _queued_rounds_job(rank, ws):
     gen = torch.Generator().manual_seed(71 + rank)
     dev = torch.device("cuda", rank)
     m, hidden, k, rounds = 128, 7168, 8, 24
-    for low in (None, 0):  # low latency (the default at m = 128), then range flags
-        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency_tokens=low), None) as op:
+    for low in (None, False):  # low latency (the default at m = 128), then range flags
+        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency=low), None) as op:
             cfg = op.cfg
             ins = [make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen) for _ in range(rounds)]
             ys = [torch.full((m, hidden), float("nan"), dtype=BF16, device=dev) for _ in range(rounds)]
@@ -315,8 +315,8 @@ def _timeout_job(rank, ws):
 
     os.environ["MORI_EP_TIMEOUT_S"] = "2"
     gen = torch.Generator().manual_seed(5 + rank)
-    for low in (0, None):  # range flags, then low latency (the default at m = 32)
-        with EpDispatchCombineOp(_cfg(rank, ws, 2048, 4, BF16, BF16, 32, combine_low_latency_tokens=low), None) as op:
+    for low in (False, None):  # range flags, then low latency (the default at m = 32)
+        with EpDispatchCombineOp(_cfg(rank, ws, 2048, 4, BF16, BF16, 32, combine_low_latency=low), None) as op:
             _round(op, op.cfg, rank, ws, gen, 32)
             # rank 1 may still be reading its outputs; they stay valid only until any rank's next dispatch
             torch.distributed.barrier()
@@ -345,7 +345,7 @@ def _timeout_job(rank, ws):
                 # every summer timed out at once; the report is one thread's, whole: the 4th combine
                 # since the reset (3 rounds) waited for range flags of 2 x epoch 4, or (low latency)
                 # for one of rank 0's tokens' rows from rank 1
-                if low == 0:
+                if low is False:
                     assert "(flag never reached 8 = 2 x combine epoch 4)" in str(err.value), str(err.value)
                 else:
                     got = re.search(r"row of a token \(its words never arrived\) from rank 1 timed out after "

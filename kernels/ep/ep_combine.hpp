@@ -19,14 +19,12 @@ MORI_DEVICE constexpr uint64_t RangeFlag(uint64_t target, bool shortInput) { ret
 // TaskSlot's mark for a token routed here whose row lies beyond a short input.
 constexpr int kShortSlot = -2;
 
-// Low latency: a home rank with at most kCfg.lowLatencyTok tokens gets its rows in comb_ll, where
-// every 32-bit word is its own arrival signal (CombWord): no release fence and no range flag, whose
-// 1.3-1.4 us each sit on the small-batch chain (PERF.md session 15). Sender and home rank decide by
-// the same number, the home rank's n: its senders at run time (per peer), its summers at compile
-// time (kCfg.lowLatencySum; the op picks the binary by n). At large batches the flags win: a
-// summing wave's own polls, strong loads and empty-word stores cost more than the flags they replace.
-template <EpCfg kCfg>
-MORI_DEVICE bool LowLatency(int n) { return kCfg.lowLatencyTok > 0 && n <= kCfg.lowLatencyTok; }
+// Low latency (kCfg.lowLatency, a whole op's choice): every 32-bit word of a pushed row is its own
+// arrival signal (CombWord), so no release fence and no range flag, whose 1.3-1.4 us each sit on the
+// small-batch chain (PERF.md session 15). At large batches the flags win: a summing wave's own
+// polls, strong loads and empty-word stores cost more than the flags they replace. Both sides of
+// every row must agree, so it is a Cfg field, never a per-call choice (session 16: a kernel that
+// held both protocols and chose by n cost the flag path 1.5 us at 4096 tokens).
 // A data word that reads like a signal word (a NaN) is sent as kCanonWord, another NaN.
 MORI_DEVICE uint32_t CanonWord(uint32_t w) { return w >= kShortWord ? uint32_t(kCanonWord) : w; }
 MORI_DEVICE vec16_t CanonVec(vec16_t v) {
@@ -62,7 +60,7 @@ MORI_DEVICE int CombSenders(int tasks) {
 // range in token order (every rank walks the ranges in the same order, so the home rank's summers
 // can start on the first ranges while the last ones are still in flight). A task is one range of
 // one peer's tokens; its block raises that range's flag on the peer when its stores are done (low
-// latency: no flag, its words are relaxed system-scope stores to comb_ll; see LowLatency).
+// latency: no flag, its words are relaxed system-scope stores; see CombWord).
 // A task's rows are one flat array of vectors spread over all the block's threads (no wave idles
 // on a range that is not a multiple of its chunks), and the next task's loads are issued right
 // after this task's stores, so they overlap the release fence instead of following it.
@@ -214,14 +212,14 @@ struct Sender {
       }
   }
   // Push task q (this block's current one) into its peer's comb_recv and raise its range flag
-  // (low latency: into comb_ll, no flag); returns the block's next task (numTasks or more: none).
+  // (low latency: no flag); returns the block's next task (numTasks or more: none).
   MORI_DEVICE int Send(int q) {
-    const int b = q / kDests, d = Dest(q), rank = args.rank, nd = int(numTok[d]);
-    const bool live = b < NumRanges(nd), low = LowLatency<kCfg>(nd);  // block-uniform
-    if (live && low) {
-      constexpr int kL = kCfg.lowLatencyTok;
-      vec16_t* dst = At<vec16_t>(args, d, args.off_comb_ll) + size_t(rank * kL + b * kRangeTok) * kVecs;
-      uint64_t* dstW = At<uint64_t>(args, d, args.off_comb_ll_wts) + size_t(rank * kL + b * kRangeTok) * kK;
+    constexpr bool kLow = kCfg.lowLatency;
+    const int b = q / kDests, d = Dest(q), rank = args.rank;
+    const bool live = b < NumRanges(int(numTok[d]));  // block-uniform
+    if (kLow && live) {
+      vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok) * kVecs;
+      uint64_t* dstW = At<uint64_t>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok) * kK;
 #pragma unroll 1
       for (int pass = 0; pass < P::kPasses; ++pass) {
         if (pass > 0) LoadPass(pass);
@@ -245,10 +243,10 @@ struct Sender {
     nextTask = after;
     nextSlot = TaskSlot(after);
     LoadPass(0);
-    if (live && !low && plat::kFenceEveryWave) plat::fence_system();
+    if (!kLow && live && plat::kFenceEveryWave) plat::fence_system();
     Publish();
     __syncthreads();  // the release below is cumulative over the block's stores
-    if (live && !low && threadIdx.x == 0)
+    if (!kLow && live && threadIdx.x == 0)
       plat::store_release_system(At<uint64_t>(args, d, args.off_comb_flags) + rank * kM + b, RangeFlag(target, shortInput));
     return next;
   }
@@ -257,15 +255,14 @@ struct Sender {
 // Where one work item's rows come from: one source per rank its token went to (its own row
 // straight from the input, a peer's from comb_recv, where that peer pushed it), and this lane's
 // weight (lane < k) of each. `flat` is the token's forward-map entry on lane j < k (-1 elsewhere).
-// kLow: the peers' rows and weights are in comb_ll (LowLatency); nibble i of `pes` is source i's
-// rank, so their words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors of the own row (prefetchV0, + waveSize, ...) are
+// kLow (low latency): a peer's weight is a TaggedWeight, and nibble i of `pes` is source i's rank,
+// so that peers' words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors of the own row (prefetchV0, + waveSize, ...) are
 // hinted into L2 as soon as the row is known: the input was complete at the kernel's start, so its
 // HBM latency can pass while the wave waits for the peers' flags. (Loading it into registers there
 // instead delayed the poll: PERF.md session 14, run 5.)
 template <EpCfg kCfg, bool kLow>
 struct ItemSources {
-  static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken;
-  static constexpr int kM = kLow ? kCfg.lowLatencyTok : kCfg.maxTokPerRank;  // rows per source rank
+  static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
   static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg);
   static constexpr int kW = kCfg.waveSize, kUnroll = kCfg.vecUnroll;
   using Weight = std::conditional_t<kLow, uint64_t, float>;  // a peer's (kLow: a TaggedWeight)
@@ -276,8 +273,8 @@ struct ItemSources {
   MORI_DEVICE ItemSources(const EpArgs& args, bool sumWeights, int flat, int t, int prefetchV0 = -1) {
     const int rank = args.rank, lane = plat::lane_id();
     const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
-    const vec16_t* recv = At<vec16_t>(args, rank, kLow ? args.off_comb_ll : args.off_comb_recv);
-    const Weight* recvW = At<Weight>(args, rank, kLow ? args.off_comb_ll_wts : args.off_comb_recv_wts);
+    const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
+    const Weight* recvW = At<Weight>(args, rank, args.off_comb_recv_wts);
 #pragma unroll
     for (int i = 0; i < kWs; ++i) row[i] = nullptr, w[i] = nullptr;
     for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
@@ -373,7 +370,7 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
 // next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
 // loads and its stores, so that neither the block's count nor the combine-done release waits for
 // those stores (nothing needs them before the kernel's end). `seen`: when the flags were seen.
-// kLow (LowLatency): no flags. Each wave waits for its own item's rows: lane 0 polls one word of
+// kLow (low latency): no flags. Each wave waits for its own item's rows: lane 0 polls one word of
 // each peer row (the chunk's last), then the wave loads the chunk with strong loads, reloads any
 // vector still holding an empty word, sums, and sets the words it read back to kEmptyWord for the
 // next combine (before its block's count); `seen` is then when the wave last had its rows.
@@ -490,7 +487,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
             const T* el = reinterpret_cast<const T*>(&buf[p][u]);
 #pragma unroll
             for (int e = 0; e < kPerVec; ++e)
-              if (p < pair && !shortRow[p]) acc[u][e] += to_f32(el[e]);
+              if (p < pair && (!kLow || !shortRow[p])) acc[u][e] += to_f32(el[e]);
           }
         if constexpr (kLow)  // the peers' words back to empty for the next combine (before the count)
 #pragma unroll
@@ -609,8 +606,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   if (first >= numRanges) finish(0);  // (a block with no range to sum ends here)
   for (int i = 0, r = first; r < numRanges; ++i) {
     if (int(threadIdx.x) == claimer) claimed[(i + 1) & 1] = claims ? int(plat::atomic_add_device(next, 1u)) : r + grid;
-    // (the op launches a lowLatencySum binary exactly when LowLatency(n): one protocol per binary)
-    SumRange<kCfg, T, kCfg.lowLatencySum>(args, target, sumWeights, r, &claimed[(i + 1) & 1], numRanges, finish);
+    SumRange<kCfg, T, kCfg.lowLatency>(args, target, sumWeights, r, &claimed[(i + 1) & 1], numRanges, finish);
     r = claimed[(i + 1) & 1];
   }
 }

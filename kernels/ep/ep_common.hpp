@@ -68,7 +68,7 @@ MORI_DEVICE void FenceBlockSystem() {
 }
 
 // Order the block's earlier accesses of this GPU's own memory (its loads, and the low-latency
-// combine's stores that set comb_ll words back to empty) before thread 0's next access: a relaxed
+// combine's stores that set comb_recv words back to empty) before thread 0's next access: a relaxed
 // system-scope count that lets a peer overwrite that memory may follow. Performed at device scope,
 // a load has its value and a store is in this GPU's L2, which is where a peer's stores land too,
 // after the peer has seen the count; so a device-scope fence is enough (the system-scope one took

@@ -7,7 +7,7 @@
 namespace mori::ep {
 
 enum class EpDType : int { Bf16 = 0, Fp32 = 1, Fp8 = 2, Fp4x2 = 3 };
-// The 32-bit words of the low-latency combine rows (`comb_ll`) that are not data.
+// The 32-bit words of the low-latency combine's rows (`comb_recv`) that are not data.
 enum CombWord : uint32_t { kEmptyWord = 0xffffffff, kShortWord = 0xfffffffe, kCanonWord = 0xfffffffd };
 // Which spin-wait timed out (the high bits of the error detail word).
 enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineDone = 2, kWaitCombineRange = 3, kWaitCombineRows = 4 };
@@ -35,8 +35,7 @@ struct EpCfg {
   int waveSize = 64;
   bool useWeights = true;
   int vecUnroll = 4;
-  int lowLatencyTok = 0;
-  bool lowLatencySum = false;
+  bool lowLatency = false;
 };
 
 // bytes per payload element
@@ -52,7 +51,7 @@ constexpr int EpNumExperts(const EpCfg& c) { return (c.numExpertPerRank * c.worl
 // the dtype can be reduced (combine leg)
 constexpr bool EpSummable(const EpCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the kernels can be built and are correct for this config
-constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && ((c.lowLatencyTok >= 0) && (c.lowLatencyTok <= c.maxTokPerRank))) && ((!c.lowLatencySum) || (c.lowLatencyTok > 0))); }
+constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))); }
 
 struct EpArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]
@@ -74,11 +73,9 @@ struct EpArgs {
   uint64_t off_recv_num;  // slot counters [2] i32, by epoch parity (peers add atomically)
   uint64_t off_total_recv;  // received rows of the last dispatch [1] i32 (local)
   uint64_t off_src_to_recv;  // slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)
-  uint64_t off_comb_recv;  // combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)
-  uint64_t off_comb_recv_wts;  // combine weights pushed by peers [ws, M, k] f32 (written by peers)
-  uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers)
-  uint64_t off_comb_ll;  // low-latency combine rows [ws, lowLatencyTok, combine tokenBytes], by source rank and token; a word is kEmptyWord until written and once summed (CombWord; written by peers)
-  uint64_t off_comb_ll_wts;  // low-latency combine weights [ws, lowLatencyTok, k] u64: combine epoch << 32 | f32 bits (written by peers)
+  uint64_t off_comb_recv;  // combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers); low latency: a word is kEmptyWord until written and once summed (CombWord)
+  uint64_t off_comb_recv_wts;  // combine weights pushed by peers [ws, M, k] f32 (written by peers); low latency: u64, combine epoch << 32 | f32 bits
+  uint64_t off_comb_flags;  // combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers); none with low latency
   uint64_t off_xdb;  // cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count
   uint64_t off_sync;  // local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim
   uint64_t off_stamps;  // phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)
@@ -105,12 +102,10 @@ static_assert(offsetof(EpArgs, off_src_to_recv) == 192, "EpArgs.off_src_to_recv 
 static_assert(offsetof(EpArgs, off_comb_recv) == 200, "EpArgs.off_comb_recv moved");
 static_assert(offsetof(EpArgs, off_comb_recv_wts) == 208, "EpArgs.off_comb_recv_wts moved");
 static_assert(offsetof(EpArgs, off_comb_flags) == 216, "EpArgs.off_comb_flags moved");
-static_assert(offsetof(EpArgs, off_comb_ll) == 224, "EpArgs.off_comb_ll moved");
-static_assert(offsetof(EpArgs, off_comb_ll_wts) == 232, "EpArgs.off_comb_ll_wts moved");
-static_assert(offsetof(EpArgs, off_xdb) == 240, "EpArgs.off_xdb moved");
-static_assert(offsetof(EpArgs, off_sync) == 248, "EpArgs.off_sync moved");
-static_assert(offsetof(EpArgs, off_stamps) == 256, "EpArgs.off_stamps moved");
-static_assert(sizeof(EpArgs) == 264, "EpArgs size changed");
+static_assert(offsetof(EpArgs, off_xdb) == 224, "EpArgs.off_xdb moved");
+static_assert(offsetof(EpArgs, off_sync) == 232, "EpArgs.off_sync moved");
+static_assert(offsetof(EpArgs, off_stamps) == 240, "EpArgs.off_stamps moved");
+static_assert(sizeof(EpArgs) == 248, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

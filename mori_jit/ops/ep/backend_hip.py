@@ -34,9 +34,10 @@ WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispa
                  WaitId.kWaitCombineRows: "combine (low latency): waiting for a peer's row of a token (its words "
                                           "never arrived)"}
 # Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots and weights).
-_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "comb_ll_wts", "xdb", "sync")
-# Regions whose every 32-bit word starts as CombWord.kEmptyWord (filled with this byte).
-_EMPTY_REGIONS = ("comb_ll",)
+_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync")
+# Low latency: regions whose every 32-bit word starts as CombWord.kEmptyWord (filled with this byte),
+# and the weights, which carry an epoch.
+_EMPTY_REGIONS, _EPOCH_REGIONS = ("comb_recv",), ("comb_recv_wts",)
 _EMPTY_BYTE = 0xFF
 assert int.from_bytes(bytes([_EMPTY_BYTE]) * 4, "little") == CombWord.kEmptyWord
 
@@ -136,10 +137,11 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
         assert arena is not None
         var, tc, dev = self._variants, self._toolchain, self.device
-        # before any peer's first combine pushes here (construction is collective)
-        arena.fill(_EMPTY_BYTE, *_EMPTY_REGIONS)
-        torch.cuda.synchronize(dev)
-        dist.barrier(group=self.group)
+        low = var.combine[0].lowLatency  # (one value for every variant: it sizes regions)
+        if low:  # before any peer's first combine pushes here (construction is collective)
+            arena.fill(_EMPTY_BYTE, *_EMPTY_REGIONS)
+            torch.cuda.synchronize(dev)
+            dist.barrier(group=self.group)
         # every variant is compiled and loaded here, before the first _pick (precompile walks the same list)
         requests = plan_requests(cfg, tc.arch, self._num_cus)
         build_many(requests, tc)  # misses compile in parallel; loading stays on this thread (its context)
@@ -213,8 +215,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         def reset():
             torch.cuda.synchronize(dev)
             dist.barrier(group=self.group)
-            arena.zero(*_SYNC_REGIONS)
-            arena.fill(_EMPTY_BYTE, *_EMPTY_REGIONS)  # a failed combine may have left words unread
+            arena.zero(*_SYNC_REGIONS, *(_EPOCH_REGIONS if low else ()))
+            if low:
+                arena.fill(_EMPTY_BYTE, *_EMPTY_REGIONS)  # a failed combine may have left words unread
             err.zero_()
             torch.cuda.synchronize(dev)
             dist.barrier(group=self.group)

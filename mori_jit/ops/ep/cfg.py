@@ -65,7 +65,7 @@ class _U32Const(CConst):
 
 
 class CombWord(_U32Const):
-    """The 32-bit words of the low-latency combine rows (`comb_ll`) that are not data.
+    """The 32-bit words of the low-latency combine's rows (`comb_recv`) that are not data.
 
     There, each word of a pushed row is its own arrival signal (no fence, no range flag). A word
     the home rank has summed is set back to kEmptyWord (the host fills the region with 0xFF bytes);
@@ -144,7 +144,7 @@ class Stamp(CConst):
     kStCombSent = 10  # the latest sender's finish (atomic max)
     kStCombSummed = 11  # the latest block's sums computed, before its last output stores (atomic max)
     kStCombEnd = 12  # the latest block's done counts sent (atomic max)
-    kStCombFlagsSeen = 13  # the latest time a summer saw its range's flags, or (low latency) its rows (atomic max)
+    kStCombFlagsSeen = 13  # the latest time a summer saw its range's flags (low latency: had its rows) (atomic max)
 
 
 #: Words of the `stamps` region.
@@ -167,12 +167,8 @@ class EpCfg:
     waveSize: int = 64
     useWeights: bool = True
     vecUnroll: int = 4  # 16-byte vectors in flight per lane (per source in combine): memory-level parallelism
-    # combine: a home rank with at most this many tokens gets its rows low-latency (each 32-bit word
-    # its own arrival signal: no fence, no range flag; region comb_ll); 0 = never
-    lowLatencyTok: int = 0
-    # combine: this binary's summers read low-latency rows (the op launches it only for n <= lowLatencyTok;
-    # its senders serve every peer by that peer's n either way)
-    lowLatencySum: bool = False
+    # combine: rows pushed as their own arrival signal (each 32-bit word; no fence, no range flag)
+    lowLatency: bool = False
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -210,8 +206,6 @@ _RULES: list[tuple[Any, str]] = [
     (C.warpPerBlock >= 1, "warpPerBlock must be >= 1"),
     (EpBlockThreads <= EP_MAX_BLOCK_THREADS, f"warpPerBlock*waveSize must be <= {EP_MAX_BLOCK_THREADS}"),
     ((C.vecUnroll >= 1) & (C.vecUnroll <= 8), "vecUnroll must be in 1..8"),
-    ((C.lowLatencyTok >= 0) & (C.lowLatencyTok <= C.maxTokPerRank), "lowLatencyTok must be in 0..maxTokPerRank"),
-    (~C.lowLatencySum | (C.lowLatencyTok > 0), "lowLatencySum needs lowLatencyTok > 0"),
 ]
 
 
@@ -242,11 +236,9 @@ EP_REGIONS: dict[str, str] = {
     "recv_num": "slot counters [2] i32, by epoch parity (peers add atomically)",
     "total_recv": "received rows of the last dispatch [1] i32 (local)",
     "src_to_recv": "slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)",
-    "comb_recv": "combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers)",
-    "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers)",
-    "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers)",
-    "comb_ll": "low-latency combine rows [ws, lowLatencyTok, combine tokenBytes], by source rank and token; a word is kEmptyWord until written and once summed (CombWord; written by peers)",
-    "comb_ll_wts": "low-latency combine weights [ws, lowLatencyTok, k] u64: combine epoch << 32 | f32 bits (written by peers)",
+    "comb_recv": "combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers); low latency: a word is kEmptyWord until written and once summed (CombWord)",
+    "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers); low latency: u64, combine epoch << 32 | f32 bits",
+    "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers); none with low latency",
     "xdb": "cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count",
     "sync": "local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim",
     "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
@@ -276,13 +268,13 @@ register_header(GeneratedHeader(
 def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
     """Bytes of each region for a dispatch leg ``disp`` and a combine leg ``comb`` (same shape)."""
     recv, k, m, ws = EpMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank, disp.worldSize
-    ll = comb.lowLatencyTok
+    low = comb.lowLatency
     return {
         "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * 4,
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
         "src_to_recv": ws * m * 8,
-        "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * 4, "comb_flags": ws * m * 8,
-        "comb_ll": ws * ll * EpTokenBytes(comb), "comb_ll_wts": ws * ll * k * 8,
+        "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * (8 if low else 4),
+        "comb_flags": 0 if low else ws * m * 8,
         "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": EP_SYNC_WORDS * 8, "stamps": EP_STAMP_WORDS * 8,
     }
 

@@ -43,10 +43,10 @@ class EpDispatchCombineConfig:
     together; otherwise both legs use ``data_type``. Geometry pins left ``None`` come from the
     backend's tuning table. ``schedule`` (optional) replaces the table: a sequence of buckets
     ``(max_tokens_inclusive | None, dispatch_blocks, dispatch_warps, combine_blocks, combine_warps)``.
-    ``combine_low_latency_tokens``: a rank that combines at most this many tokens receives its
-    peers' rows in low-latency mode (each 32-bit word is its own arrival signal: no fence and no
-    flag per range, which wins at small batches and loses at large ones); ``None`` takes the
-    backend's default, ``0`` turns it off. Values above ``max_num_inp_token_per_rank`` act as it.
+    ``combine_low_latency``: the combine pushes rows whose every 32-bit word is its own arrival
+    signal (no fence and no flag per token range), which wins at small batches and loses at large
+    ones; ``None`` turns it on when ``max_num_inp_token_per_rank`` is at most the backend's
+    threshold (an op sized for decode batches), like DeepEP's separate low-latency mode.
     """
 
     rank: int
@@ -70,7 +70,7 @@ class EpDispatchCombineConfig:
     max_total_recv_tokens: int = 0
     gpu_per_node: int = 8
     kernel_backend: Optional[str] = None
-    combine_low_latency_tokens: Optional[int] = None
+    combine_low_latency: Optional[bool] = None
 
     def __post_init__(self):
         _int("world_size", self.world_size, 1)
@@ -84,7 +84,9 @@ class EpDispatchCombineConfig:
             _int(f, getattr(self, f), 0)
         for f in ("dispatch_block_num", "combine_block_num", "warp_num_per_block", "combine_warp_num_per_block"):
             _opt_int(f, getattr(self, f))
-        _opt_int("combine_low_latency_tokens", self.combine_low_latency_tokens, 0)
+        if self.combine_low_latency not in (None, True, False):
+            raise ValueError(f"EpDispatchCombineConfig.combine_low_latency={self.combine_low_latency!r}: "
+                             f"expected None (by max_num_inp_token_per_rank), True or False")
         if (self.dispatch_data_type is None) != (self.combine_data_type is None):
             raise ValueError("EpDispatchCombineConfig: dispatch_data_type and combine_data_type are set together "
                              f"(got {self.dispatch_data_type} and {self.combine_data_type})")

@@ -18,17 +18,17 @@ import dataclasses
 from typing import Optional
 
 __all__ = ["Bucket", "Schedule", "DISPATCH_TABLE", "COMBINE_TABLE", "DEFAULT_DISPATCH", "DEFAULT_COMBINE",
-           "DEFAULT_LOW_LATENCY_TOKENS",
-           "lookup", "schedule_from_buckets", "split_at"]
+           "LOW_LATENCY_MAX_TOKENS", "lookup", "schedule_from_buckets"]
 
 Bucket = tuple[Optional[int], int, int]  # (max_tokens_inclusive | None, blocks, warps)
 
 DEFAULT_DISPATCH: tuple[int, int] = (64, 16)
 DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
-# Up to this many tokens on the home rank, combine rows travel low-latency (each word its own
-# signal). sm_90a EP2 bf16 hidden 7168 (docs/PERF.md session 16): 128 tokens 15.5-15.6 µs against
-# 16.5-16.8 with range flags; 4096 tokens 177.4-177.5 against 176.3-176.4.
-DEFAULT_LOW_LATENCY_TOKENS: int = 256
+# An op whose max_num_inp_token_per_rank is at most this combines low latency (each word of a row
+# its own signal) unless told otherwise. sm_90a EP2 bf16 hidden 7168, graph mode (docs/PERF.md
+# session 16): 128 tokens 15.4-15.6 µs against 16.6-17.0 with range flags; 512 37.9 against
+# 35.6-36.4; 1024 58.2 against 56.4-56.9; 4096 177.4-178.0 against 175.9-176.4.
+LOW_LATENCY_MAX_TOKENS: int = 256
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
 #
@@ -137,15 +137,6 @@ def schedule_from_buckets(disp: list[Bucket], comb: list[Bucket], num_cus: int,
     d = tuple(_clamp(_at(disp, e), num_cus, max_warps) for e in edges)
     c = tuple(_clamp(_at(comb, e), num_cus, max_warps) for e in edges)
     return Schedule(tuple(edges), d, c)
-
-
-def split_at(sched: Schedule, edge: int) -> Schedule:
-    """``sched`` with a bucket edge at ``edge`` (both halves keep the split bucket's geometries)."""
-    if edge in sched.edges:
-        return sched
-    i = sched.index(edge)
-    return Schedule(sched.edges[:i] + (edge,) + sched.edges[i:], sched.dispatch[:i + 1] + sched.dispatch[i:],
-                    sched.combine[:i + 1] + sched.combine[i:])
 
 
 def lookup(dtype: str, world_size: int, hidden: int, topk: int, experts_per_rank: int, num_cus: int,

@@ -33,9 +33,9 @@ class EpSpec(Spec):
         return make_ep_cfg(self.kind, toolchain.arch, request or {})
 
     def entry_name(self, cfg: EpCfg) -> str:
-        # (_ll: summers of low-latency rows, so an op's variants never share a name)
+        # (_ll: the low-latency combine)
         return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
-                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatencySum else ''}")
+                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatency else ''}")
 
     def geometry(self, cfg: EpCfg) -> Geometry:
         return Geometry((cfg.blockNum, 1, 1), (EpBlockThreads(cfg), 1, 1))

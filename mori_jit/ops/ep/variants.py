@@ -11,9 +11,9 @@ from mori_jit.jit.toolchain import wave_size_for_arch
 
 from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, make_ep_cfg
 from .config import EpDispatchCombineConfig
-from .hip_tuning import DEFAULT_LOW_LATENCY_TOKENS, Schedule, lookup, schedule_from_buckets, split_at
+from .hip_tuning import LOW_LATENCY_MAX_TOKENS, Schedule, lookup, schedule_from_buckets
 
-__all__ = ["EpVariants", "ep_variants", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests", "config_from_strings",
+__all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests", "config_from_strings",
            "precompile_targets"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
@@ -61,31 +61,32 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
               "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
               "maxRecv": cfg.max_total_recv_tokens}
 
-    def leg(kind, dtype, geos, extras):
+    def leg(kind, dtype, geos, **extra):
         return tuple(make_ep_cfg(kind, arch, {**common, "dtype": ep_dtype(dtype), "blockNum": b, "warpPerBlock": w,
                                               **extra})
-                     for (b, w), extra in zip(geos, extras))
+                     for b, w in geos)
 
-    low, m = cfg.combine_low_latency_tokens, cfg.max_num_inp_token_per_rank
-    low = DEFAULT_LOW_LATENCY_TOKENS if low is None else low
-    # capped: every value from M up means "always", one binary; one rank has no peer rows to signal
-    low = min(low, m) if cfg.world_size > 1 else 0
-    # A bucket edge at `low`: each combine binary's summers read one protocol (a compile-time choice:
-    # both in one kernel cost the range-flag path 1.6 us at 4096 tokens, PERF.md session 16).
-    sched = split_at(sched, low) if 0 < low < m else sched
-    low_sum = lambda edge: 0 < low >= min(m if edge is None else edge, m)  # noqa: E731  (every n of the bucket)
-    comb = leg(COMBINE, cfg.combine_dtype, sched.combine,
-               [{"lowLatencyTok": low, "lowLatencySum": low_sum(e)} for e in sched.edges])
-    for c, e in zip(comb, sched.edges):  # MORI_V2_EP_* overrides come after: refuse what would deadlock
+    low = combine_low_latency(cfg)
+    comb = leg(COMBINE, cfg.combine_dtype, sched.combine, lowLatency=low)
+    for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
         from mori_jit.jit.fields import ConfigError
         if c.blockNum > num_cus:
             raise ConfigError(f"combine blockNum={c.blockNum} exceeds the {num_cus} CUs/SMs of the device: its "
                               f"cross-device barrier needs every block resident (check MORI_V2_EP_*BLOCK_NUM)")
-        if (c.lowLatencyTok, c.lowLatencySum) != (low, low_sum(e)):
-            raise ConfigError(f"combine lowLatencyTok={c.lowLatencyTok}, lowLatencySum={c.lowLatencySum}: the "
-                              f"buckets were cut for {low}, and senders and summers must agree on the protocol; "
-                              f"set EpDispatchCombineConfig.combine_low_latency_tokens instead of MORI_V2_EP_*LOW_LATENCY*")
-    return EpVariants(sched, leg(DISPATCH, cfg.dispatch_dtype, sched.dispatch, [{}] * len(sched.edges)), comb)
+        if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
+            raise ConfigError(f"combine lowLatency={c.lowLatency} from MORI_V2_EP_*LOW_LATENCY: set "
+                              f"EpDispatchCombineConfig.combine_low_latency instead")
+    return EpVariants(sched, leg(DISPATCH, cfg.dispatch_dtype, sched.dispatch), comb)
+
+
+def combine_low_latency(cfg: EpDispatchCombineConfig) -> bool:
+    """Whether the op's combine is low latency: ``combine_low_latency``, else by the op's size
+    (``max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS``); never on one rank (no peer rows)."""
+    if cfg.world_size == 1:
+        return False
+    if cfg.combine_low_latency is not None:
+        return cfg.combine_low_latency
+    return cfg.max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS
 
 
 def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> list[tuple]:
