@@ -25,9 +25,10 @@ Bucket = tuple[Optional[int], int, int]  # (max_tokens_inclusive | None, blocks,
 DEFAULT_DISPATCH: tuple[int, int] = (64, 16)
 DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 # An op whose max_num_inp_token_per_rank is at most this combines low latency (each word of a row
-# its own signal) unless told otherwise. sm_90a EP2 bf16 hidden 7168, graph mode (docs/PERF.md
-# session 16): 128 tokens 15.4-15.6 µs against 16.6-17.0 with range flags; 512 37.9 against
-# 35.6-36.4; 1024 58.2 against 56.4-56.9; 4096 177.4-178.0 against 175.9-176.4.
+# its own signal) unless told otherwise. sm_90a EP2 bf16 hidden 7168, graph mode, combine µs, low
+# latency against range flags (docs/PERF.md session 16, runs 1-4): 128 tokens 15.4-15.9 against
+# 16.4-17.0; 256 20.8-21.0 against 22.4-22.8; 512 37.9 against 35.6-36.6; 1024 58.2 against
+# 56.4-57.0; 4096 177.4-177.5 against 175.9-176.4. The edge lies between 256 and 512 (not swept).
 LOW_LATENCY_MAX_TOKENS: int = 256
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
