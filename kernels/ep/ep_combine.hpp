@@ -217,21 +217,15 @@ struct Sender {
     constexpr bool kLow = kCfg.lowLatency;
     const int b = q / kDests, d = Dest(q), rank = args.rank;
     const bool live = b < NumRanges(int(numTok[d]));  // block-uniform
-    if (kLow && live) {
+    if (live) {
+      using Weight = std::conditional_t<kLow, uint64_t, float>;  // low latency: a TaggedWeight
       vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok) * kVecs;
-      uint64_t* dstW = At<uint64_t>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok) * kK;
+      Weight* dstW = At<Weight>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok) * kK;
 #pragma unroll 1
       for (int pass = 0; pass < P::kPasses; ++pass) {
         if (pass > 0) LoadPass(pass);
-        StorePassLow(pass, dst, dstW);
-      }
-    } else if (live) {
-      vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok) * kVecs;
-      float* dstW = At<float>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok) * kK;
-#pragma unroll 1
-      for (int pass = 0; pass < P::kPasses; ++pass) {
-        if (pass > 0) LoadPass(pass);
-        StorePass(pass, dst, dstW);
+        if constexpr (kLow) StorePassLow(pass, dst, dstW);
+        else StorePass(pass, dst, dstW);
       }
     }
     bool shortInput = false;
