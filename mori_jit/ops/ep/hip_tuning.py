@@ -80,6 +80,12 @@ LOW_LATENCY_MAX_TOKENS: int = 256
 #   only (docs/bench/session15/run1/sum.txt). The table did not move:
 #   EP2 combine  128: 64x16 16.8/16.8 | 132x16 17.2/17.1 | 64x8 17.6/17.7 | 132x8 17.9/17.9 | 32x16 22.9 | 32x8 25.8
 #   EP2 dispatch bf16 128: 64x8 14.5 | 64x16 14.7 | 132x8 14.7 | 132x16 14.9 | 32x8 15.6 | 32x16 15.7
+# Session 16 (the low-latency combine, on for ops of <= 256 tokens), run 5, graph mode, fresh/buffer
+#   input, EP2 bf16 (docs/bench/session16/run5/sweep.log). The table did not move:
+#   EP2 combine  128: 64x16 15.5/15.6 | 132x16 16.0/15.9 | 64x8 16.8/16.9 | 132x8 16.8/16.9 | 32x16 22.7 | 32x8 23.6
+#                256: 132x16 20.7/20.6 | 132x8 22.2/22.2 | 64x16 25.2/24.9 | 64x8 28.3 | 32x16 31.1 | 32x8 36.1
+#   EP2 dispatch bf16 128: 64x8 14.6 | 64x16 14.8 | 132x8 15.0 | 132x16 15.0;  256: 64x8 20.0 | 132x16 20.3
+#   Run 6, combine vecUnroll at 128 (MORI_V2_EP_COMBINE_VEC_UNROLL): 4 15.6/15.6 | 2 16.7 | 8 17.9.
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
