@@ -113,6 +113,7 @@ def test_capability_gate_lists_everything_before_allocating():
     ("dispatch_block_num", 0, "dispatch_block_num=0"),
     ("schedule", [(None, 1, 2)], "schedule bucket"),
     ("combine_low_latency", "yes", "combine_low_latency='yes': expected None"),
+    ("combine_low_latency", 1, "combine_low_latency=1: expected None"),
 ])
 def test_config_errors_name_the_field(field, value, match):
     base = dict(rank=0, world_size=2, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=4,

@@ -57,6 +57,12 @@ def test_precompile_ep_bad_input(fake_cc, capsys):
     with pytest.raises(ConfigError, match="combine sums"):
         config_from_strings({"world_size": "2", "hidden_dim": "64", "max_num_inp_token_per_rank": "8",
                              "num_experts_per_rank": "4", "num_experts_per_token": "2", "data_type": "fp8"})
+    base = {"world_size": "2", "hidden_dim": "64", "max_num_inp_token_per_rank": "8", "num_experts_per_rank": "4",
+            "num_experts_per_token": "2"}
+    assert config_from_strings({**base, "combine_low_latency": "off"})[0].combine_low_latency is False
+    assert config_from_strings({**base, "combine_low_latency": "ON"})[0].combine_low_latency is True
+    with pytest.raises(ConfigError, match="combine_low_latency='maybe'.*expected one of true, on"):
+        config_from_strings({**base, "combine_low_latency": "maybe"})
 
 
 _PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (FP8, torch.bfloat16),

@@ -250,10 +250,11 @@ struct Sender {
 // straight from the input, a peer's from comb_recv, where that peer pushed it), and this lane's
 // weight (lane < k) of each. `flat` is the token's forward-map entry on lane j < k (-1 elsewhere).
 // kLow (low latency): a peer's weight is a TaggedWeight, and nibble i of `pes` is source i's rank,
-// so that peers' words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors of the own row (prefetchV0, + waveSize, ...) are
-// hinted into L2 as soon as the row is known: the input was complete at the kernel's start, so its
-// HBM latency can pass while the wave waits for the peers' flags. (Loading it into registers there
-// instead delayed the poll: PERF.md session 14, run 5.)
+// so that peers' words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors
+// of the own row (prefetchV0, + waveSize, ...) are hinted into L2 as soon as the row is known: the
+// input was complete at the kernel's start, so its HBM latency can pass while the wave waits for
+// the peers' flags. (Loading it into registers there instead delayed the poll: PERF.md session 14,
+// run 5.)
 template <EpCfg kCfg, bool kLow>
 struct ItemSources {
   static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;

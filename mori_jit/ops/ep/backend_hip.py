@@ -74,8 +74,8 @@ def decode_error(words: list[int], rank: int) -> str:
         who, peer = (detail >> 16) & 0xFFFF, detail >> 32
         # (a range flag reports its range's first token, the low-latency path the token itself)
         return (f"rank {who}: rank {peer}'s combine input was short (that rank reports its row counts), so "
-                f"tokens of rank {who} (first reported at token {extra}) were summed without rank {peer}'s rows: this "
-                f"combine's output on rank {who} is wrong")
+                f"tokens of rank {who} (first reported at token {extra}) were summed without rank {peer}'s "
+                f"rows: this combine's output on rank {who} is wrong")
     return f"unknown device error code {code:#x} (detail {detail:#x})"
 
 

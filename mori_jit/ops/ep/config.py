@@ -84,7 +84,7 @@ class EpDispatchCombineConfig:
             _int(f, getattr(self, f), 0)
         for f in ("dispatch_block_num", "combine_block_num", "warp_num_per_block", "combine_warp_num_per_block"):
             _opt_int(f, getattr(self, f))
-        if self.combine_low_latency not in (None, True, False):
+        if not (self.combine_low_latency is None or isinstance(self.combine_low_latency, bool)):
             raise ValueError(f"EpDispatchCombineConfig.combine_low_latency={self.combine_low_latency!r}: "
                              f"expected None (by max_num_inp_token_per_rank), True or False")
         if (self.dispatch_data_type is None) != (self.combine_data_type is None):

@@ -13,8 +13,8 @@ from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, make_e
 from .config import EpDispatchCombineConfig
 from .hip_tuning import LOW_LATENCY_MAX_TOKENS, Schedule, lookup, schedule_from_buckets
 
-__all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests", "config_from_strings",
-           "precompile_targets"]
+__all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
+           "config_from_strings", "precompile_targets"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
 DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
@@ -107,7 +107,8 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
     """An op config from ``KEY=VALUE`` strings (``mori-jit precompile --ep``), and ``num_cus`` if given.
 
     Keys are :class:`EpDispatchCombineConfig` fields (``rank`` defaults to 0) plus ``num_cus``;
-    dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names.
+    dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names, and
+    ``combine_low_latency`` ``on``/``off`` (or true/false, 1/0).
     """
     from mori_jit.jit.fields import ConfigError
     fields = {f.name: f for f in dataclasses.fields(EpDispatchCombineConfig)}
@@ -123,6 +124,11 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
                 kwargs[key] = _dtype_from_string(raw)
             elif key in ("combine_mode", "quant_type", "kernel_backend"):
                 kwargs[key] = raw
+            elif key == "combine_low_latency":
+                flags = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
+                if raw.lower() not in flags:
+                    raise ValueError(f"expected one of {', '.join(flags)}")
+                kwargs[key] = flags[raw.lower()]
             elif key == "schedule":
                 raise ConfigError("schedule cannot be given on the command line")
             else:
