@@ -211,6 +211,11 @@ def test_low_latency_is_the_ops_choice_and_reaches_the_combine_leg_only():
         return {c.lowLatency for c in v.dispatch}, {c.lowLatency for c in v.combine}, v
 
     assert legs(cut)[:2] == ({False}, {True})  # by the op's size: up to the cut, every combine
+    amd = ep_variants(EpDispatchCombineConfig(**base, max_num_inp_token_per_rank=128), "gfx942", 304)
+    assert {c.lowLatency for c in amd.combine} == {False}  # by default only where it was measured
+    amd = ep_variants(EpDispatchCombineConfig(**base, max_num_inp_token_per_rank=128, combine_low_latency=True),
+                      "gfx942", 304)
+    assert {c.lowLatency for c in amd.combine} == {True}
     assert legs(cut + 1)[:2] == ({False}, {False})
     assert legs(4096, combine_low_latency=True)[:2] == ({False}, {True})
     assert legs(128, combine_low_latency=False)[:2] == ({False}, {False})

@@ -46,7 +46,8 @@ class EpDispatchCombineConfig:
     ``combine_low_latency``: the combine pushes rows whose every 32-bit word is its own arrival
     signal (no fence and no flag per token range), which wins at small batches and loses at large
     ones; ``None`` turns it on when ``max_num_inp_token_per_rank`` is at most the backend's
-    threshold (an op sized for decode batches), like DeepEP's separate low-latency mode.
+    threshold (an op sized for decode batches), like DeepEP's separate low-latency mode, on NVIDIA
+    GPUs (where it was measured; on AMD it is built only when asked for).
     """
 
     rank: int

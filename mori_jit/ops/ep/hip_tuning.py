@@ -24,7 +24,7 @@ Bucket = tuple[Optional[int], int, int]  # (max_tokens_inclusive | None, blocks,
 
 DEFAULT_DISPATCH: tuple[int, int] = (64, 16)
 DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
-# An op whose max_num_inp_token_per_rank is at most this combines low latency (each word of a row
+# An NVIDIA op whose max_num_inp_token_per_rank is at most this combines low latency (each word of a row
 # its own signal) unless told otherwise. sm_90a EP2 bf16 hidden 7168, graph mode, combine µs, low
 # latency against range flags (docs/PERF.md session 16, runs 1-4): 128 tokens 15.4-15.9 against
 # 16.4-17.0; 256 20.8-21.0 against 22.4-22.8; 512 37.9 against 35.6-36.6; 1024 58.2 against

@@ -66,7 +66,7 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
                                               **extra})
                      for b, w in geos)
 
-    low = combine_low_latency(cfg)
+    low = combine_low_latency(cfg, arch)
     comb = leg(COMBINE, cfg.combine_dtype, sched.combine, lowLatency=low)
     for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
         from mori_jit.jit.fields import ConfigError
@@ -79,14 +79,16 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
     return EpVariants(sched, leg(DISPATCH, cfg.dispatch_dtype, sched.dispatch), comb)
 
 
-def combine_low_latency(cfg: EpDispatchCombineConfig) -> bool:
-    """Whether the op's combine is low latency: ``combine_low_latency``, else by the op's size
-    (``max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS``); never on one rank (no peer rows)."""
+def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
+    """Whether the op's combine on ``arch`` is low latency: ``combine_low_latency``, else by the op's
+    size (``max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS``) on NVIDIA, where it was measured;
+    on AMD only when asked (unmeasured there, and each 16-byte push is four 32-bit atomic stores).
+    Never on one rank (no peer rows)."""
     if cfg.world_size == 1:
         return False
     if cfg.combine_low_latency is not None:
         return cfg.combine_low_latency
-    return cfg.max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS
+    return arch.startswith("sm_") and cfg.max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS
 
 
 def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> list[tuple]:
