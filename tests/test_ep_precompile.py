@@ -90,7 +90,8 @@ def test_real_compilers_build_every_ep_kernel(arch, compiler):
 def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
     """The combine's sender splits a task over a pass count and a weights-per-thread count derived
     from the block size: one wave (7 passes at hidden 7168), four waves (2 passes), and topk 32 on
-    one wave (two weights per thread) are paths the default geometries never instantiate."""
+    one wave (two weights per thread) are paths the default geometries never instantiate; each in
+    both protocols (range flags, low latency)."""
     import dataclasses
 
     tc = toolchain_or_skip(arch)
@@ -101,11 +102,12 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
         for spec, c in plan_requests(cfg, arch, 104):
             if "combine" not in spec.entry_name(c):
                 continue
-            c = dataclasses.replace(c, blockNum=8, warpPerBlock=warps)
-            e = build(spec, c, tc)
-            assert spec.entry_name(c).encode() in e.binary.read_bytes()
-            built.add(spec.entry_name(c))
-    assert len(built) == 3, sorted(built)
+            for low in (False, True):  # both protocols (the default differs by arch)
+                c = dataclasses.replace(c, blockNum=8, warpPerBlock=warps, lowLatency=low)
+                e = build(spec, c, tc)
+                assert spec.entry_name(c).encode() in e.binary.read_bytes()
+                built.add(spec.entry_name(c))
+    assert len(built) == 6, sorted(built)
 
 
 def _combine_ptx(tmp_path_factory, low_latency) -> str:
