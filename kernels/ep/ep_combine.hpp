@@ -39,8 +39,11 @@ MORI_DEVICE vec16_t WordVec(uint32_t w) {
 MORI_DEVICE bool HasWord(vec16_t v, uint32_t w) { return v.x == w || v.y == w || v.z == w || v.w == w; }
 // A low-latency weight carries the combine epoch, so one left from an earlier combine never reads
 // as arrived (weights are not set back to empty: a rank that does not sum them would leave them).
-MORI_DEVICE uint64_t TaggedWeight(uint64_t target, float w) { return (target << 32) | plat::float_bits(w); }
+MORI_DEVICE uint64_t TaggedWeight(uint64_t target, float w) { return (target << 32) | __float_as_uint(w); }
 MORI_DEVICE bool WeightArrived(uint64_t v, uint64_t target) { return uint32_t(v >> 32) == uint32_t(target); }
+// A weight as pushed into comb_recv_wts: f32, or (low latency) a TaggedWeight.
+template <bool kLow>
+using CombWeight = std::conditional_t<kLow, uint64_t, float>;
 
 // How this rank's blocks split the work (a local choice: peers only see flags). With at most one
 // send task per block, every block sends its task, then sums. With more, blocks [0, senders) send
@@ -218,9 +221,8 @@ struct Sender {
     const int b = q / kDests, d = Dest(q), rank = args.rank;
     const bool live = b < NumRanges(int(numTok[d]));  // block-uniform
     if (live) {
-      using Weight = std::conditional_t<kLow, uint64_t, float>;  // low latency: a TaggedWeight
       vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok) * kVecs;
-      Weight* dstW = At<Weight>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok) * kK;
+      CombWeight<kLow>* dstW = At<CombWeight<kLow>>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok) * kK;
 #pragma unroll 1
       for (int pass = 0; pass < P::kPasses; ++pass) {
         if (pass > 0) LoadPass(pass);
@@ -260,16 +262,15 @@ struct ItemSources {
   static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
   static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg);
   static constexpr int kW = kCfg.waveSize, kUnroll = kCfg.vecUnroll;
-  using Weight = std::conditional_t<kLow, uint64_t, float>;  // a peer's (kLow: a TaggedWeight)
   const vec16_t* row[kWs];
-  const void* w[kWs];  // the own row's: a float of the input's weights; a peer's: a Weight
+  const void* w[kWs];  // the own row's: a float of the input's weights; a peer's: a CombWeight
   int n = 0;
   uint32_t pes = 0;
   MORI_DEVICE ItemSources(const EpArgs& args, bool sumWeights, int flat, int t, int prefetchV0 = -1) {
     const int rank = args.rank, lane = plat::lane_id();
     const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
     const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
-    const Weight* recvW = At<Weight>(args, rank, args.off_comb_recv_wts);
+    const CombWeight<kLow>* recvW = At<CombWeight<kLow>>(args, rank, args.off_comb_recv_wts);
 #pragma unroll
     for (int i = 0; i < kWs; ++i) row[i] = nullptr, w[i] = nullptr;
     for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
@@ -302,8 +303,7 @@ MORI_DEVICE void AwaitWord(const EpArgs& a, const uint32_t* p, int peer, int tok
   const uint64_t t0 = plat::now_ns();
   while (plat::load_word_relaxed(p) == kEmptyWord)
     if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      RecordError(a, kErrTimeout, (uint64_t(kWaitCombineRows) << 48) | (uint64_t(peer) << 32) | (uint64_t(a.rank) << 16),
-                  uint64_t(tok));
+      RecordError(a, kErrTimeout, TimeoutDetail(kWaitCombineRows, peer, a.rank), uint64_t(tok));
       return;
     }
 }
@@ -318,10 +318,6 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
                            int t, uint64_t (&tw)[2], float* wv, vec16_t (&buf)[2][kCfg.vecUnroll]) {
   constexpr int kW = kCfg.waveSize, kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll;
   const int rank = args.rank;
-  auto timedOut = [&](int peer) {
-    RecordError(args, kErrTimeout, (uint64_t(kWaitCombineRows) << 48) | (uint64_t(peer) << 32) | (uint64_t(rank) << 16),
-                uint64_t(t));
-  };
 #pragma unroll
   for (int p = 0; p < 2; ++p)
     if (withW && p < pair && src.Peer(s + p, rank)) {
@@ -329,12 +325,12 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
         const uint64_t now = plat::now_ns();
         if (!since) since = now;
         if (now - since > uint64_t(args.timeoutNs)) {  // (no vote in this loop: per lane is safe)
-          timedOut(src.Pe(s + p));
+          RecordError(args, kErrTimeout, TimeoutDetail(kWaitCombineRows, src.Pe(s + p), rank), uint64_t(t));
           break;
         }
         tw[p] = plat::load_relaxed_system(static_cast<const uint64_t*>(src.w[s + p]));
       }
-      wv[s + p] = plat::bits_float(uint32_t(tw[p]));
+      wv[s + p] = __uint_as_float(uint32_t(tw[p]));
     }
   for (uint64_t since = 0;;) {
     bool empty = false;
@@ -347,7 +343,8 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
     const uint64_t now = plat::now_ns();
     if (!since) since = now;
     if (plat::wave_any(now - since > uint64_t(args.timeoutNs))) {
-      timedOut(src.Pe(src.Peer(s, rank) ? s : s + 1));
+      const int peer = src.Pe(src.Peer(s, rank) ? s : s + 1);
+      RecordError(args, kErrTimeout, TimeoutDetail(kWaitCombineRows, peer, rank), uint64_t(t));
       return;
     }
 #pragma unroll
@@ -393,7 +390,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
       const uint64_t got = WaitAtLeast(args, flags + threadIdx.x * kM + b, RangeFlag(target, false), kWaitCombineRange,
                                        threadIdx.x);
       if (got == RangeFlag(target, true))  // the peer's rows of some of these tokens were never sent
-        RecordError(args, kErrPeerShortInput, (uint64_t(threadIdx.x) << 32) | (uint64_t(rank) << 16), uint64_t(t0));
+        RecordError(args, kErrPeerShortInput, PeerShortDetail(threadIdx.x, rank), uint64_t(t0));
     }
     __syncthreads();  // the acquire loads above, then the barrier, order every thread's loads below
     if constexpr (plat::kFenceEveryWave) plat::fence_system();
@@ -466,7 +463,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
             const bool peer = p < pair && src.Peer(s + p, rank);
             shortRow[p] = plat::wave_any(peer && v0 < kVecs && HasWord(buf[p][0], kShortWord));
             if (shortRow[p] && chunk == 0 && lane == 0)
-              RecordError(args, kErrPeerShortInput, (uint64_t(src.Pe(s + p)) << 32) | (uint64_t(rank) << 16), uint64_t(t));
+              RecordError(args, kErrPeerShortInput, PeerShortDetail(src.Pe(s + p), rank), uint64_t(t));
           }
         } else {
 #pragma unroll

@@ -42,6 +42,13 @@ MORI_DEVICE void RecordError(const EpArgs& a, ErrCode code, uint64_t detail, uin
   err[0] = code;
 }
 
+// The detail words the host decodes (decode_error) for the two errors a peer causes: a wait that
+// timed out (which wait, for which peer, on which rank) and a peer's short combine input.
+MORI_DEVICE constexpr uint64_t TimeoutDetail(WaitId wait, uint64_t peer, uint64_t rank) {
+  return (uint64_t(wait) << 48) | (peer << 32) | (rank << 16);
+}
+MORI_DEVICE constexpr uint64_t PeerShortDetail(uint64_t peer, uint64_t rank) { return (peer << 32) | (rank << 16); }
+
 // Spin until *flag >= target; returns the value seen, which is below target only after
 // args.timeoutNs (the timeout is recorded).
 MORI_DEVICE uint64_t WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t target, WaitId wait, int peer) {
@@ -50,7 +57,7 @@ MORI_DEVICE uint64_t WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t
   const uint64_t t0 = plat::now_ns();
   while ((v = plat::load_acquire_system(flag)) < target) {
     if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      RecordError(a, kErrTimeout, (uint64_t(wait) << 48) | (uint64_t(peer) << 32) | (uint64_t(a.rank) << 16), target);
+      RecordError(a, kErrTimeout, TimeoutDetail(wait, peer, a.rank), target);
       return v;
     }
   }

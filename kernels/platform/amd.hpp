@@ -99,8 +99,6 @@ MORI_DEVICE void store_relaxed_system(uint64_t* p, uint64_t v) {
 MORI_DEVICE uint64_t load_relaxed_system(const uint64_t* p) {
   return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
-MORI_DEVICE uint32_t float_bits(float f) { return __float_as_uint(f); }
-MORI_DEVICE float bits_float(uint32_t u) { return __uint_as_float(u); }
 // A hint to bring p's line into L2 ahead of a load. gfx9 has no global prefetch instruction, and a
 // load into a dead register would make the wave wait for it at its next s_waitcnt: nothing.
 MORI_DEVICE void prefetch_l2(const void*) {}

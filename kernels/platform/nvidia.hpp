@@ -109,8 +109,6 @@ MORI_DEVICE uint64_t load_relaxed_system(const uint64_t* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-MORI_DEVICE uint32_t float_bits(float f) { return __float_as_uint(f); }
-MORI_DEVICE float bits_float(uint32_t u) { return __uint_as_float(u); }
 // A hint: bring the line holding p into this GPU's L2 (no register, nothing to wait for), so that
 // a load issued later hits L2 instead of HBM.
 MORI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
