@@ -228,6 +228,27 @@ def test_low_latency_is_the_ops_choice_and_reaches_the_combine_leg_only():
     assert {c.lowLatency for c in one.combine} == {False}  # one rank: no peer rows to signal
 
 
+def test_low_latency_ops_whose_tasks_fit_the_grid_take_every_sm_and_one_token_ranges():
+    from mori_jit.ops.ep.cfg import EpRangeTok
+
+    base = dict(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128, num_experts_per_token=8)
+
+    def combine(m, num_cus=132, **kw):
+        v = ep_variants(EpDispatchCombineConfig(**{**base, **kw}, max_num_inp_token_per_rank=m), "sm_90a", num_cus)
+        return [(c.blockNum, EpRangeTok(c)) for c in v.combine]
+
+    table = {(b, 2) for _, b, _ in hip_tuning.COMBINE_TABLE[(2, 7168, 8, 128)]}  # (64, 2), (132, 2)
+    small = min(table)  # the table's geometry for up to 128 tokens
+    assert set(combine(128)) == {(132, 1)}  # 128 peer-token tasks fit 132 blocks: every SM, one token each
+    assert set(combine(132)) == {(132, 1)} and combine(133)[0] == small  # the edge is the grid
+    assert set(combine(256)) == table  # more tasks than SMs: the table, two-token ranges
+    assert set(combine(128, combine_low_latency=False)) == table  # range flags: always two
+    assert set(combine(128, combine_block_num=64)) == {(64, 2)}  # a pinned grid is kept; its tasks do not fit
+    assert combine(128, num_cus=100)[0] == small
+    ep8 = dict(world_size=8, num_experts_per_rank=32)
+    assert {g for g in combine(16, **ep8)} == {(132, 1)} and {r for _, r in combine(32, **ep8)} == {2}
+
+
 def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64,
                                   num_experts_per_rank=8, num_experts_per_token=8)

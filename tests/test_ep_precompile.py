@@ -91,8 +91,10 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
     """The combine's sender splits a task over a pass count and a weights-per-thread count derived
     from the block size: one wave (7 passes at hidden 7168), four waves (2 passes), and topk 32 on
     one wave (two weights per thread) are paths the default geometries never instantiate; each in
-    both protocols (range flags, low latency)."""
+    both protocols (range flags, low latency), and low latency with one-token ranges."""
     import dataclasses
+
+    from mori_jit.ops.ep.cfg import EpRangeTok
 
     tc = toolchain_or_skip(arch)
     built = set()
@@ -102,12 +104,15 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
         for spec, c in plan_requests(cfg, arch, 104):
             if "combine" not in spec.entry_name(c):
                 continue
-            for low in (False, True):  # both protocols (the default differs by arch)
-                c = dataclasses.replace(c, blockNum=8, warpPerBlock=warps, lowLatency=low)
+            # both protocols (the default differs by arch); low latency with two-token ranges (its
+            # 64 tasks exceed 8 blocks) and with one-token ranges (they fit 64)
+            for low, blocks, range_tok in ((False, 8, 2), (True, 8, 2), (True, 64, 1)):
+                c = dataclasses.replace(c, blockNum=blocks, warpPerBlock=warps, lowLatency=low)
+                assert EpRangeTok(c) == range_tok
                 e = build(spec, c, tc)
                 assert spec.entry_name(c).encode() in e.binary.read_bytes()
                 built.add(spec.entry_name(c))
-    assert len(built) == 6, sorted(built)
+    assert len(built) == 9, sorted(built)
 
 
 def _combine_ptx(tmp_path_factory, low_latency) -> str:
@@ -141,14 +146,16 @@ def combine_ptx_low(tmp_path_factory) -> str:
 def test_nvcc_low_latency_rows_are_word_atomic_and_absent_when_off(combine_ptx, combine_ptx_low):
     """Low-latency rows rely on every 32-bit word being single-copy atomic: pushed, polled and set
     back to empty as relaxed system-scope accesses (`.v4.b32`: PTX performs a vector access as its
-    elements' accesses). The range-flag binary carries none of that code, and the low-latency one
-    no range flag (no acquire poll but the sender's combine-done wait, no release store)."""
+    elements' accesses; every lane polls its own vectors). The range-flag binary carries none of that
+    code, and the low-latency one no range flag (no acquire poll but the sender's combine-done wait,
+    no release store)."""
     import re
 
     for op in ("st", "ld"):
         assert re.search(rf"{op}\.relaxed\.sys\.global\.v4\.b32", combine_ptx_low), op
         assert not re.search(rf"{op}\.relaxed\.sys\.global\.v4\.b32", combine_ptx), op
-    assert re.search(r"ld\.relaxed\.sys\.global\.b32", combine_ptx_low)  # the poll of one word
+    # no one-word poll before the loads: every lane polls its own vectors (PERF.md session 17)
+    assert not re.search(r"ld\.relaxed\.sys\.global\.b32", combine_ptx_low)
     assert not re.search(r"st\.release\.sys", combine_ptx_low) and re.search(r"st\.release\.sys", combine_ptx)
 
 

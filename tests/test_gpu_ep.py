@@ -119,8 +119,10 @@ def _golden_job(rank, ws):
             for n in (m, 37, 0):
                 _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
     # Ranks on different grids (each rank picks its geometry from its own token count): a rank's
-    # dispatch-done count and its combine ranges must not depend on its peers' grids.
-    blocks = (8, 24, 16, 40)[rank % 4]
+    # dispatch-done count and its combine ranges must not depend on its peers' grids. At EP2 in low
+    # latency, rank 1's 96 blocks hold its 96 peer-token tasks, so it takes one-token ranges and
+    # rank 0 two-token ones (EpRangeTok).
+    blocks = (8, 96, 16, 40)[rank % 4]
     for low in (None, False):
         with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, m, dispatch_block_num=blocks,
                                       combine_block_num=blocks, combine_low_latency=low), None) as op:

@@ -6,11 +6,15 @@
 
 namespace mori::ep {
 
-// Tokens per combine range: the unit of a sender's task and of one range-ready flag. It depends on
-// nothing else, so ranks that picked different combine geometries (by their own token counts)
-// agree on every rank's ranges. Small, so that the last ranges to arrive are summed quickly.
-constexpr int kRangeTok = 2;
-MORI_DEVICE int NumRanges(int n) { return (n + kRangeTok - 1) / kRangeTok; }
+// Tokens per combine range: the unit of a sender's task and, with range flags, of one flag
+// (EpRangeTok). With flags it is 2 on every rank, whatever geometry each picked by its own token
+// count, so the ranks agree on every rank's ranges; small, so that the last ranges to arrive are
+// summed quickly. Low latency has no flags: a rank's ranges are its own business, and it takes 1
+// when every peer-token task fits in its grid.
+template <EpCfg kCfg>
+constexpr int kRangeTok = EpRangeTok(kCfg);
+template <EpCfg kCfg>
+MORI_DEVICE int NumRanges(int n) { return (n + kRangeTok<kCfg> - 1) / kRangeTok<kCfg>; }
 
 // A range-ready flag's value: 2 * the combine epoch, + 1 when the sender's input was too short to
 // hold some of the range's rows (they were not sent). The home rank then sums those tokens without
@@ -70,11 +74,11 @@ MORI_DEVICE int CombSenders(int tasks) {
 template <EpCfg kCfg>
 struct SendPlan {
   static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kThreads = EpBlockThreads(kCfg);
-  static constexpr int kTaskVecs = kRangeTok * kVecs;
+  static constexpr int kTaskVecs = kRangeTok<kCfg> * kVecs;
   static constexpr int kFit = (kTaskVecs + kThreads - 1) / kThreads;
   static constexpr int kPerPass = kFit < 2 * kCfg.vecUnroll ? kFit : 2 * kCfg.vecUnroll;  // registers per lane
   static constexpr int kPasses = (kTaskVecs + kThreads * kPerPass - 1) / (kThreads * kPerPass);
-  static constexpr int kWts = kRangeTok * kCfg.numExpertPerToken, kWtsPer = (kWts + kThreads - 1) / kThreads;
+  static constexpr int kWts = kRangeTok<kCfg> * kCfg.numExpertPerToken, kWtsPer = (kWts + kThreads - 1) / kThreads;
 };
 
 // A block's sender state: the current task's slots and first-pass rows (in registers), and the
@@ -88,7 +92,7 @@ struct Sender {
   using P = SendPlan<kCfg>;
   static constexpr int kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize, kM = kCfg.maxTokPerRank;
   static constexpr int kVecs = P::kVecs, kDests = kWs > 1 ? kWs - 1 : 1;
-  struct Slots { int s[kRangeTok]; };
+  struct Slots { int s[kRangeTok<kCfg>]; };
 
   const EpArgs& args;
   const uint64_t target;
@@ -121,8 +125,8 @@ struct Sender {
   // The reverse-map entry of this block's first task (lane < kRangeTok), loaded with no dependence
   // on the token counts: every address it may form lies inside the map.
   MORI_DEVICE static uint64_t FirstEntry(const EpArgs& a) {
-    const int lane = plat::lane_id(), q = int(blockIdx.x), t = q / kDests * kRangeTok + lane;
-    if (lane >= kRangeTok || t >= kM) return 0;
+    const int lane = plat::lane_id(), q = int(blockIdx.x), t = q / kDests * kRangeTok<kCfg> + lane;
+    if (lane >= kRangeTok<kCfg> || t >= kM) return 0;
     return At<uint64_t>(a, a.rank, a.off_src_to_recv)[DestOf(a.rank, q) * kM + t];
   }
   // A task index past the fixed ones (numTasks, i.e. none, when the fixed ones cover every task).
@@ -146,27 +150,27 @@ struct Sender {
   // decoded at once: the wave waits for the load here, but deferring the decode a task (lead E)
   // measured no faster (PERF.md session 12).
   MORI_DEVICE int TaskSlot(int q) const {
-    const int lane = plat::lane_id(), t = q / kDests * kRangeTok + lane;
-    if (lane >= kRangeTok || q >= numTasks || t >= kM) return -1;
+    const int lane = plat::lane_id(), t = q / kDests * kRangeTok<kCfg> + lane;
+    if (lane >= kRangeTok<kCfg> || q >= numTasks || t >= kM) return -1;
     return Decode(q, srcToRecv[Dest(q) * kM + t]);  // issued without waiting for numTok: both are loads
   }
   // TaskSlot's answer from the entry e of task q's lane.
   MORI_DEVICE int Decode(int q, uint64_t e) const {
-    const int lane = plat::lane_id(), d = Dest(q), t = q / kDests * kRangeTok + lane;
-    if (lane >= kRangeTok || q >= numTasks || t >= kM) return -1;
+    const int lane = plat::lane_id(), d = Dest(q), t = q / kDests * kRangeTok<kCfg> + lane;
+    if (lane >= kRangeTok<kCfg> || q >= numTasks || t >= kM) return -1;
     const int slot = int(uint32_t(e));
     return t >= int(numTok[d]) || uint32_t(e >> 32) != dispTag ? -1 : slot < args.inpRows ? slot : kShortSlot;
   }
   MORI_DEVICE static Slots Spread(int slot) {  // every thread gets the task's slots (wave shuffles)
     Slots r;
 #pragma unroll
-    for (int i = 0; i < kRangeTok; ++i) r.s[i] = plat::shfl(slot, i);
+    for (int i = 0; i < kRangeTok<kCfg>; ++i) r.s[i] = plat::shfl(slot, i);
     return r;
   }
   MORI_DEVICE int SlotOf(int i) const {  // cur.s[i] without a dynamically indexed (local) array
     int s = cur.s[0];
 #pragma unroll
-    for (int k = 1; k < kRangeTok; ++k)
+    for (int k = 1; k < kRangeTok<kCfg>; ++k)
       if (i == k) s = cur.s[k];
     return s;
   }
@@ -219,10 +223,10 @@ struct Sender {
   MORI_DEVICE int Send(int q) {
     constexpr bool kLow = kCfg.lowLatency;
     const int b = q / kDests, d = Dest(q), rank = args.rank;
-    const bool live = b < NumRanges(int(numTok[d]));  // block-uniform
+    const bool live = b < NumRanges<kCfg>(int(numTok[d]));  // block-uniform
     if (live) {
-      vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok) * kVecs;
-      CombWeight<kLow>* dstW = At<CombWeight<kLow>>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok) * kK;
+      vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok<kCfg>) * kVecs;
+      CombWeight<kLow>* dstW = At<CombWeight<kLow>>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok<kCfg>) * kK;
 #pragma unroll 1
       for (int pass = 0; pass < P::kPasses; ++pass) {
         if (pass > 0) LoadPass(pass);
@@ -232,7 +236,7 @@ struct Sender {
     }
     bool shortInput = false;
 #pragma unroll
-    for (int i = 0; i < kRangeTok; ++i) shortInput |= cur.s[i] == kShortSlot;
+    for (int i = 0; i < kRangeTok<kCfg>; ++i) shortInput |= cur.s[i] == kShortSlot;
     // The next task's first loads reuse the registers the stores above have already read.
     cur = Spread(nextSlot);
     const int after = Claimed(), next = nextTask;
@@ -296,21 +300,11 @@ struct ItemSources {
   MORI_DEVICE bool Peer(int i, int rank) const { return Pe(i) != rank; }
 };
 
-// Low latency: spin until the word at p is no longer kEmptyWord (a peer's row has started to land).
-// After args.timeoutNs the timeout is recorded (`tok`: the token whose row never came).
-MORI_DEVICE void AwaitWord(const EpArgs& a, const uint32_t* p, int peer, int tok) {
-  if (plat::load_word_relaxed(p) != kEmptyWord) return;
-  const uint64_t t0 = plat::now_ns();
-  while (plat::load_word_relaxed(p) == kEmptyWord)
-    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      RecordError(a, kErrTimeout, TimeoutDetail(kWaitCombineRows, peer, a.rank), uint64_t(tok));
-      return;
-    }
-}
-
 // Low latency, after a pair of sources' first loads (SumRange): wait for each peer's weight (here
 // once it carries this combine's epoch; a short row's is 0), then reload whatever vector still
-// holds an empty word (a row's words land in no set order; rarely anything). The timeout decision
+// holds an empty word until none does: every lane polls its own vectors, so the wave has its rows
+// one load after the last lands (polling one word per row first, then loading, cost a load more:
+// PERF.md session 17). The timeout decision
 // is wave-uniform: each lane reads its own clock, and a lane that left alone would leave its wave's
 // next vote short of it (the hang of PERF.md session 15, run 7).
 template <EpCfg kCfg, typename Src>
@@ -362,10 +356,10 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
 // next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
 // loads and its stores, so that neither the block's count nor the combine-done release waits for
 // those stores (nothing needs them before the kernel's end). `seen`: when the flags were seen.
-// kLow (low latency): no flags. Each wave waits for its own item's rows: lane 0 polls one word of
-// each peer row (the chunk's last), then the wave loads the chunk with strong loads, reloads any
-// vector still holding an empty word, sums, and sets the words it read back to kEmptyWord for the
-// next combine (before its block's count); `seen` is then when the wave last had its rows.
+// kLow (low latency): no flags. Each wave waits for its own item's rows: it loads the chunk with
+// strong loads and reloads any vector still holding an empty word (AwaitRest), sums, and sets the
+// words it read back to kEmptyWord for the next combine (before its block's count); `seen` is then
+// when the wave last had its rows.
 template <EpCfg kCfg, typename T, bool kLow, typename Finish>
 MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, int b, const int* nextRange,
                           int numRanges, Finish&& finish) {
@@ -375,7 +369,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   using Src = ItemSources<kCfg, kLow>;
   const int rank = args.rank, lane = plat::lane_id(), wave = plat::wave_id(), n = args.numTokens;
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
-  const int t0 = b * kRangeTok, numItems = min(kRangeTok, n - t0) * kChunks;
+  const int t0 = b * kRangeTok<kCfg>, numItems = min(kRangeTok<kCfg>, n - t0) * kChunks;
   // The wave's first item's sources (from the forward map, which a previous kernel wrote), worked
   // out before the wait: after it, that arithmetic cost 0.6-0.8 us of issue (every wave of the
   // block runs it at once, four to a scheduler).
@@ -420,20 +414,10 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
     const int v0 = chunk * kChunkVecs + lane;
     if (has) {
       const int numSrc = src.n;
-      if constexpr (kLow) {
-        if (lane == 0) {  // one word of each peer row of the item: the chunk's last vector's
-          const int last = min((chunk + 1) * kChunkVecs, kVecs) - 1;
-#pragma unroll
-          for (int s = 0; s < kWs; ++s)
-            if (s < numSrc && src.Peer(s, rank))
-              AwaitWord(args, reinterpret_cast<const uint32_t*>(src.row[s] + last) + 3, src.Pe(s), t);
-        }
-        plat::wave_sync();
-      } else {
+      if constexpr (!kLow)
 #pragma unroll
         for (int s = 0; s < kWs; ++s)
           if (withW && s < numSrc) wv[s] = plat::load_peer_f32(static_cast<const float*>(src.w[s]));
-      }
       // two sources' loads in flight at once (a token has one source per rank it went to)
 #pragma unroll
       for (int s = 0; s < kWs; s += 2) {  // (static indices into src: registers, not the stack)
@@ -523,7 +507,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   static_assert(EpSummable(kCfg), "combine sums: the dtype must be Bf16 or Fp32");
   static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
   static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
-  static_assert(kRangeTok <= kCfg.waveSize, "a range's slots are held one per lane");
+  static_assert(kRangeTok<kCfg> <= kCfg.waveSize, "a range's slots are held one per lane");
   static_assert(kCfg.worldSize <= 8 && kMaxPeers <= 16, "ItemSources packs a source's rank in 4 bits, 8 sources");
   constexpr int kWs = kCfg.worldSize;
   const int rank = args.rank;
@@ -549,7 +533,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   int maxRanges = 0;
 #pragma unroll
   for (int d = 0; d < kWs; ++d)
-    if (d != rank) maxRanges = max(maxRanges, NumRanges(int(numTok[d])));
+    if (d != rank) maxRanges = max(maxRanges, NumRanges<kCfg>(int(numTok[d])));
   // (maxRanges is 0 on one rank: no peers)
   const int numTasks = maxRanges * Sender<kCfg>::kDests, senders = CombSenders(numTasks), grid = int(gridDim.x);
   if (kWs > 1 && int(blockIdx.x) < senders && int(blockIdx.x) < numTasks) {  // one rank: no senders
@@ -591,7 +575,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // stride does as well: block b sums ranges b, b + grid, ... with no atomic per range.
   __shared__ int claimed[2];
   const bool claims = kWs > 1 && senders < grid;  // block-uniform; never on one rank (no senders)
-  const int numRanges = NumRanges(args.numTokens), claimer = int(blockDim.x) - 1;
+  const int numRanges = NumRanges<kCfg>(args.numTokens), claimer = int(blockDim.x) - 1;
   if (claims && int(threadIdx.x) == claimer) claimed[0] = int(plat::atomic_add_device(next, 1u));
   __syncthreads();
   const int first = claims ? claimed[0] : int(blockIdx.x);

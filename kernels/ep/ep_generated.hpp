@@ -48,6 +48,8 @@ constexpr int EpBlockThreads(const EpCfg& c) { return (c.warpPerBlock * c.waveSi
 constexpr int EpMaxRecv(const EpCfg& c) { return ((c.maxRecv == 0) ? (c.worldSize * c.maxTokPerRank) : c.maxRecv); }
 // experts in total
 constexpr int EpNumExperts(const EpCfg& c) { return (c.numExpertPerRank * c.worldSize); }
+// tokens per combine range (a sender's task, a summing block's unit)
+constexpr int EpRangeTok(const EpCfg& c) { return ((c.lowLatency && ((c.maxTokPerRank * (c.worldSize - 1)) <= c.blockNum)) ? 1 : 2); }
 // the dtype can be reduced (combine leg)
 constexpr bool EpSummable(const EpCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the kernels can be built and are correct for this config

@@ -45,9 +45,9 @@
 // per rank): no release fence and no range flag. Every 32-bit word of a pushed row is a relaxed
 // system-scope store, so the home rank sees each word either empty (CombWord::kEmptyWord, what the
 // host fills comb_recv with) or arrived; data words that read as a signal (NaNs) are sent as
-// another NaN, and weights carry the combine epoch. A summing wave polls one word of each peer row
-// of its item, loads the item, reloads any vector still holding an empty word, sums, and sets the
-// words back to empty before its block's done count. A row beyond a short input arrives as
+// another NaN, and weights carry the combine epoch. A summing wave loads its item and reloads any
+// vector still holding an empty word until none does, sums, and sets the words back to empty
+// before its block's done count. A row beyond a short input arrives as
 // kShortWord words (the home rank reports it).
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which

@@ -23,7 +23,6 @@ MORI_DEVICE int wave_id() { return threadIdx.x / kWaveSize; }
 MORI_DEVICE uint64_t ballot(bool p) { return __ballot(p); }
 MORI_DEVICE bool wave_any(bool p) { return __any(p); }
 MORI_DEVICE int shfl(int v, int src) { return __shfl(v, src); }
-MORI_DEVICE void wave_sync() {}
 
 // Index of the lowest set bit of a non-zero mask.
 MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<unsigned long long>(m)) - 1; }
@@ -89,9 +88,6 @@ MORI_DEVICE vec16_t load_words_relaxed(const vec16_t* p) {
   v.z = __hip_atomic_load(w + 2, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
   v.w = __hip_atomic_load(w + 3, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
   return v;
-}
-MORI_DEVICE uint32_t load_word_relaxed(const uint32_t* p) {
-  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 MORI_DEVICE void store_relaxed_system(uint64_t* p, uint64_t v) {
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);

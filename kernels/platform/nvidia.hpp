@@ -16,7 +16,6 @@ MORI_DEVICE int wave_id() { return threadIdx.x / kWaveSize; }
 MORI_DEVICE uint64_t ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 MORI_DEVICE bool wave_any(bool p) { return __any_sync(0xffffffffu, p); }
 MORI_DEVICE int shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
-MORI_DEVICE void wave_sync() { __syncwarp(); }
 
 // Index of the lowest set bit of a non-zero mask.
 MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<long long>(m)) - 1; }
@@ -94,11 +93,6 @@ MORI_DEVICE vec16_t load_words_relaxed(const vec16_t* p) {
   vec16_t v;
   asm volatile("ld.relaxed.sys.global.v4.b32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-MORI_DEVICE uint32_t load_word_relaxed(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 MORI_DEVICE void store_relaxed_system(uint64_t* p, uint64_t v) {

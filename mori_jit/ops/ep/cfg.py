@@ -20,7 +20,7 @@ from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
            "EP_REGIONS", "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes",
-           "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid",
+           "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
            "EpSummable", "DISPATCH", "COMBINE"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
@@ -183,6 +183,15 @@ EpBlockThreads = Derived("EpBlockThreads", "EpCfg", C.warpPerBlock * C.waveSize,
 EpMaxRecv = Derived("EpMaxRecv", "EpCfg", where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv),
                     doc="receive capacity in rows; also the stride of the flat index pe*maxRecv+slot")
 EpNumExperts = Derived("EpNumExperts", "EpCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
+# Tokens per combine range (see ep_combine.hpp): 2, or 1 for a low-latency combine whose every
+# peer-token task fits in the grid, so that each block sends at most one row per peer and sums at
+# most one token (EP2 128 tokens, 132x16: 14.4-14.7 us against 15.2-15.6 with 2; with more tasks
+# than blocks 1 measured far slower: 22.7-25.3 against 20.2-20.7 at 256; PERF.md session 17).
+# The flag protocol needs 2 on every rank (a range flag's unit); low latency has no flags, so
+# ranks may differ.
+EpRangeTok = Derived("EpRangeTok", "EpCfg",
+                     where(C.lowLatency & (C.maxTokPerRank * (C.worldSize - 1) <= C.blockNum), 1, 2),
+                     doc="tokens per combine range (a sender's task, a summing block's unit)")
 EpSummable = Derived("EpSummable", "EpCfg", C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32), ctype="bool",
                      doc="the dtype can be reduced (combine leg)")
 
@@ -261,7 +270,7 @@ EP_ARGS = ArgsSchema("EpArgs", [
 
 register_header(GeneratedHeader(
     "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[CombWord, WaitId, ErrCode, XdbRow, SyncWord, FlagUnit, Stamp], cfgs=[EpCfg],
-    derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpSummable, EpIsValid],
+    derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpRangeTok, EpSummable, EpIsValid],
     args=[EP_ARGS]))
 
 

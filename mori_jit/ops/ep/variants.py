@@ -11,7 +11,7 @@ from mori_jit.jit.toolchain import wave_size_for_arch
 
 from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, make_ep_cfg
 from .config import EpDispatchCombineConfig
-from .hip_tuning import LOW_LATENCY_MAX_TOKENS, Schedule, lookup, schedule_from_buckets
+from .hip_tuning import LOW_LATENCY_MAX_TOKENS, Schedule, lookup, one_token_ranges, schedule_from_buckets
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
            "config_from_strings", "precompile_targets"]
@@ -40,7 +40,7 @@ class EpVariants:
         return list(out)
 
 
-def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str) -> Schedule:
+def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool) -> Schedule:
     if cfg.schedule is not None:
         disp = [(b[0], b[1], b[2]) for b in cfg.schedule]
         comb = [(b[0], b[3], b[4]) for b in cfg.schedule]
@@ -48,15 +48,19 @@ def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str) -> Schedule
     base = lookup(ep_dtype(cfg.dispatch_dtype).name.lower(), cfg.world_size, cfg.hidden_dim,
                   cfg.num_experts_per_token, cfg.num_experts_per_rank, num_cus,
                   max_warps=EP_MAX_BLOCK_THREADS // wave_size_for_arch(arch))
+    comb_blocks = cfg.combine_block_num
+    if comb_blocks is None and low_latency and one_token_ranges(cfg.world_size, cfg.max_num_inp_token_per_rank, num_cus):
+        comb_blocks = num_cus
     pin = lambda geo, blocks, warps: (min(blocks, num_cus) if blocks else geo[0], warps or geo[1])  # noqa: E731
     return Schedule(base.edges,
                     tuple(pin(g, cfg.dispatch_block_num, cfg.warp_num_per_block) for g in base.dispatch),
-                    tuple(pin(g, cfg.combine_block_num, cfg.combine_warp_num_per_block) for g in base.combine))
+                    tuple(pin(g, comb_blocks, cfg.combine_warp_num_per_block) for g in base.combine))
 
 
 def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVariants:
     """Every EpCfg the op for ``cfg`` on ``arch`` (with ``num_cus`` CUs/SMs) launches, by bucket."""
-    sched = _schedule(cfg, num_cus, arch)
+    low = combine_low_latency(cfg, arch)
+    sched = _schedule(cfg, num_cus, arch, low)
     common = {"worldSize": cfg.world_size, "hiddenDim": cfg.hidden_dim, "maxTokPerRank": cfg.max_num_inp_token_per_rank,
               "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
               "maxRecv": cfg.max_total_recv_tokens}
@@ -66,7 +70,6 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
                                               **extra})
                      for b, w in geos)
 
-    low = combine_low_latency(cfg, arch)
     comb = leg(COMBINE, cfg.combine_dtype, sched.combine, lowLatency=low)
     for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
         from mori_jit.jit.fields import ConfigError
