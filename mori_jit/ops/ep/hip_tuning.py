@@ -97,6 +97,12 @@ def one_token_ranges(world_size: int, max_tokens: int, num_cus: int) -> bool:
 #                256: 132x16 20.7/20.6 | 132x8 22.2/22.2 | 64x16 25.2/24.9 | 64x8 28.3 | 32x16 31.1 | 32x8 36.1
 #   EP2 dispatch bf16 128: 64x8 14.6 | 64x16 14.8 | 132x8 15.0 | 132x16 15.0;  256: 64x8 20.0 | 132x16 20.3
 #   Run 6, combine vecUnroll at 128 (MORI_V2_EP_COMBINE_VEC_UNROLL): 4 15.6/15.6 | 2 16.7 | 8 17.9.
+# Session 17 (low latency: every lane polls its vectors), runs 4 and 6, graph mode, combine µs, EP2
+#   bf16 (docs/bench/session17/run{4,6}/sweep_*.log). Two-token ranges: 128: 64x16 15.3-15.6 |
+#   96x16 15.5-15.7 | 132x16 15.2-15.9;  256: 132x16 20.2-20.7 | 96x16 23.6-24.9 | 64x16 23.7-25.2.
+#   One-token ranges (run 6): 128: 132x16 14.4-14.7 | 64x16 17.8 (more tasks than blocks);
+#   256: 132x16 22.9-25.3. So an op whose tasks fit the SMs takes them all (one_token_ranges);
+#   the table did not move.
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
