@@ -18,7 +18,7 @@ import dataclasses
 from typing import Optional
 
 __all__ = ["Bucket", "Schedule", "DISPATCH_TABLE", "COMBINE_TABLE", "DEFAULT_DISPATCH", "DEFAULT_COMBINE",
-           "LOW_LATENCY_MAX_TOKENS", "lookup", "schedule_from_buckets", "one_token_ranges"]
+           "LOW_LATENCY_MAX_TOKENS", "lookup", "schedule_from_buckets"]
 
 Bucket = tuple[Optional[int], int, int]  # (max_tokens_inclusive | None, blocks, warps)
 
@@ -31,16 +31,6 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 # 56.4-57.0; 4096 177.4-177.5 against 175.9-176.4. The edge lies between 256 and 512 (not swept).
 LOW_LATENCY_MAX_TOKENS: int = 256
 
-
-def one_token_ranges(world_size: int, max_tokens: int, num_cus: int) -> bool:
-    """Whether a low-latency combine of an op of ``max_tokens`` per rank gets every CU/SM in each
-    bucket, so that its every peer-token task fits in the grid and the kernel takes one-token ranges
-    (``EpRangeTok``: each block pushes at most one row per peer and sums at most one token). sm_90a
-    EP2 bf16 hidden 7168, 128 tokens, graph mode, fresh / buffer input (docs/PERF.md session 17, run 6):
-    132x16 with one-token ranges 14.4 / 15.1 and 14.7 / 14.7 us, against two-token ranges at 64x16
-    15.6 / 15.5 and 15.3 / 14.7 (132x16: 15.5 / 15.6, 15.2 / 15.3); with more tasks than blocks
-    (64x16 at 128, 132x16 at 256) one-token ranges measured 17.8 and 22.9-25.3."""
-    return max_tokens * (world_size - 1) <= num_cus
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
 #
@@ -101,8 +91,8 @@ def one_token_ranges(world_size: int, max_tokens: int, num_cus: int) -> bool:
 #   bf16 (docs/bench/session17/run{4,6}/sweep_*.log). Two-token ranges: 128: 64x16 15.3-15.6 |
 #   96x16 15.5-15.7 | 132x16 15.2-15.9;  256: 132x16 20.2-20.7 | 96x16 23.6-24.9 | 64x16 23.7-25.2.
 #   One-token ranges (run 6): 128: 132x16 14.4-14.7 | 64x16 17.8 (more tasks than blocks);
-#   256: 132x16 22.9-25.3. So an op whose tasks fit the SMs takes them all (one_token_ranges);
-#   the table did not move.
+#   256: 132x16 22.9-25.3. So a low-latency op whose tasks fit the SMs takes them all
+#   (variants._every_sm_fits_one_token_ranges); the table did not move.
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
