@@ -11,7 +11,7 @@ from ep_dist import run_distributed
 from mori_jit.jit.fields import ConfigError
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
 from mori_jit.ops.ep import hip_tuning
-from mori_jit.ops.ep.cfg import COMBINE, DISPATCH, EpDType, make_ep_cfg
+from mori_jit.ops.ep.cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
 from mori_jit.ops.ep.variants import DEFAULT_NUM_CUS, ep_variants
 
 FP8 = torch.float8_e4m3fn
@@ -247,6 +247,26 @@ def test_low_latency_ops_whose_tasks_fit_the_grid_take_every_sm_and_one_token_ra
     assert combine(128, num_cus=100)[0] == small
     ep8 = dict(world_size=8, num_experts_per_rank=32)
     assert {g for g in combine(16, **ep8)} == {(132, 1)} and {r for _, r in combine(32, **ep8)} == {2}
+
+
+def test_one_token_ranges_take_their_tuning_and_an_override_still_wins(monkeypatch):
+    from mori_jit.ops.ep.cfg import EpRangeTok
+
+    def unrolls(m, **kw):
+        cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128,
+                                      num_experts_per_token=8, max_num_inp_token_per_rank=m, **kw)
+        return {(EpRangeTok(c), c.vecUnroll) for c in ep_variants(cfg, "sm_90a", 132).combine}
+
+    one = hip_tuning.ONE_TOKEN_COMBINE["vecUnroll"]
+    default = EpCfg().vecUnroll
+    assert one != default  # (else this test proves nothing)
+    assert unrolls(128) == {(1, one)}
+    assert unrolls(256) == {(2, default)} and unrolls(128, combine_low_latency=False) == {(2, default)}
+    monkeypatch.setenv("MORI_V2_EP_COMBINE_VEC_UNROLL", str(default))
+    assert unrolls(128) == {(1, default)}
+    monkeypatch.setenv("MORI_V2_EP_COMBINE_BLOCK_NUM", "64")  # the override's grid: two-token ranges, untuned
+    monkeypatch.delenv("MORI_V2_EP_COMBINE_VEC_UNROLL")
+    assert unrolls(128) == {(2, default)}
 
 
 def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):

@@ -185,9 +185,8 @@ EpMaxRecv = Derived("EpMaxRecv", "EpCfg", where(C.maxRecv.eq(0), C.worldSize * C
 EpNumExperts = Derived("EpNumExperts", "EpCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
 # Tokens per combine range (see ep_combine.hpp): 2, or 1 for a low-latency combine whose every
 # peer-token task fits in the grid, so that each block sends at most one row per peer and sums at
-# most one token (measured in variants._every_sm_fits_one_token_ranges, which gives such an op every
-# SM). The flag protocol needs 2 on every rank (a range flag's unit); low latency has no flags, so
-# ranks may differ.
+# most one token (measured at hip_tuning.ONE_TOKEN_COMBINE: such an op gets every SM). The flag
+# protocol needs 2 on every rank (a range flag's unit); low latency has no flags, so ranks may differ.
 EpRangeTok = Derived("EpRangeTok", "EpCfg",
                      where(C.lowLatency & (C.maxTokPerRank * (C.worldSize - 1) <= C.blockNum), 1, 2),
                      doc="tokens per combine range (a sender's task, a summing block's unit)")

@@ -11,7 +11,7 @@ from mori_jit.jit.toolchain import wave_size_for_arch
 
 from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpRangeTok, make_ep_cfg
 from .config import EpDispatchCombineConfig
-from .hip_tuning import LOW_LATENCY_MAX_TOKENS, Schedule, lookup, schedule_from_buckets
+from .hip_tuning import LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, Schedule, lookup, schedule_from_buckets
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
            "config_from_strings", "precompile_targets"]
@@ -40,17 +40,15 @@ class EpVariants:
         return list(out)
 
 
-def _every_sm_fits_one_token_ranges(cfg: EpDispatchCombineConfig, num_cus: int, arch: str) -> bool:
-    """Whether a low-latency combine on every CU/SM holds each peer-token task in its grid, so that
-    the kernel takes one-token ranges (``EpRangeTok``): each block pushes at most one row per peer
-    and sums at most one token. Such an op gets every SM in each combine bucket. sm_90a EP2 bf16
-    hidden 7168, 128 tokens, graph mode, fresh / buffer input (docs/PERF.md session 17, run 6):
-    132x16 with one-token ranges 14.4 / 15.1 and 14.7 / 14.7 us, against two-token ranges at 64x16
-    (the table's) 15.6 / 15.5 and 15.3 / 14.7; with more tasks than blocks (64x16 at 128, 132x16 at
-    256) one-token ranges measured 17.8 and 22.9-25.3, so the rule is the grid, not the size."""
-    every = EpCfg(worldSize=cfg.world_size, maxTokPerRank=cfg.max_num_inp_token_per_rank, blockNum=num_cus,
+def _one_token_ranges(cfg: EpDispatchCombineConfig, blocks: int, arch: str) -> bool:
+    """Whether a low-latency combine of ``cfg`` on ``blocks`` blocks holds each peer-token task in
+    its grid, so that the kernel takes one-token ranges (``EpRangeTok``): each block pushes at most
+    one row per peer and sums at most one token. An op that can have them gets every SM in each
+    combine bucket (tuning: ``hip_tuning.ONE_TOKEN_COMBINE``), and its blocks then load fewer
+    vectors per lane."""
+    probe = EpCfg(worldSize=cfg.world_size, maxTokPerRank=cfg.max_num_inp_token_per_rank, blockNum=blocks,
                   waveSize=wave_size_for_arch(arch), lowLatency=True)
-    return EpRangeTok(every) == 1
+    return EpRangeTok(probe) == 1
 
 
 def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool) -> Schedule:
@@ -62,8 +60,8 @@ def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency
                   cfg.num_experts_per_token, cfg.num_experts_per_rank, num_cus,
                   max_warps=EP_MAX_BLOCK_THREADS // wave_size_for_arch(arch))
     comb_blocks = cfg.combine_block_num
-    if comb_blocks is None and low_latency and _every_sm_fits_one_token_ranges(cfg, num_cus, arch):
-        comb_blocks = num_cus
+    if comb_blocks is None and low_latency and _one_token_ranges(cfg, num_cus, arch):
+        comb_blocks = num_cus  # every SM
     pin = lambda geo, blocks, warps: (min(blocks, num_cus) if blocks else geo[0], warps or geo[1])  # noqa: E731
     return Schedule(base.edges,
                     tuple(pin(g, cfg.dispatch_block_num, cfg.warp_num_per_block) for g in base.dispatch),
@@ -83,7 +81,11 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
                                               **extra})
                      for b, w in geos)
 
-    comb = leg(COMBINE, cfg.combine_dtype, sched.combine, lowLatency=low)
+    def combine(geo):  # one-token ranges take their tuning, as requests (a MORI_V2_EP_* override wins)
+        c = leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low)[0]
+        return c if EpRangeTok(c) == 2 else leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low, **ONE_TOKEN_COMBINE)[0]
+
+    comb = tuple(combine(geo) for geo in sched.combine)
     for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
         from mori_jit.jit.fields import ConfigError
         if c.blockNum > num_cus:
