@@ -400,17 +400,22 @@ def report(path: str) -> str:
         if "hip_graph" not in r:
             continue
         t, a = r.get("torch_eager"), r.get("nccl_a2a")
+        geo = f" {r['geometry']['blocks']}x{r['geometry']['dispatch_warps']}" if "geometry" in r else ""
         for mode in ("hip_eager", "hip_eager_zerocopy", "hip_graph", "hip_graph_zerocopy", "torch_eager", "nccl_a2a"):
             if mode not in r:
                 continue
             d, c = r[mode]["dispatch_us"], r[mode]["combine_us"]
             b = r["bytes"]
-            geo = f" {r['geometry']['blocks']}x{r['geometry']['dispatch_warps']}" if "geometry" in r else ""
             lines.append(
                 f"| {r['leg']} | {r['tokens']}{geo} | {mode} | {d:.1f} | {c:.1f} | {b['dispatch_algo'] / d / 1e3:.0f} | "
                 f"{100 * b['dispatch_remote'] / d / 1e3 / ceil:.0f} | {100 * b['combine_remote'] / c / 1e3 / ceil:.0f} | "
                 + (f"{t['dispatch_us'] / d:.2f} | {t['combine_us'] / c:.2f} |" if t else "– | – |")
                 + (f" {a['dispatch_us'] / d:.2f} | {a['combine_us'] / c:.2f} |" if a else " – | – |"))
+        # A dispatch waits for the peer's previous combine, so the bench's back-to-back legs trade time
+        # with the ranks' relative phase (PERF.md session 17); their sum is the steadier figure.
+        g = r["hip_graph"]
+        lines.append(f"| {r['leg']} | {r['tokens']}{geo} | hip_graph dispatch + combine | "
+                     f"{g['dispatch_us'] + g['combine_us']:.1f} | | | | | | | | |")
         for key, what in (("phases_us", "phases"), ("phases_queued_us", "phases, queued")):
             if key in r:
                 lines.append(f"| {r['leg']} | {r['tokens']} | {what} (µs from kernel start) | "

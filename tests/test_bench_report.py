@@ -38,6 +38,7 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
     assert "pull_both 370" in md and "floor: 1-kernel graph | 4.5" in md
     assert "**400 GB/s** (median of 3 event-timed copies, 399-401)" in md
     assert "host overhead | 9.0 | 14.0 | (out=: 8.5)" in md
+    assert "| bf16 | 512 | hip_graph dispatch + combine | 45.0 |" in md  # the legs trade time; their sum holds
     assert (tmp_path / "r.md").read_text().strip() == md.strip()
 
 
