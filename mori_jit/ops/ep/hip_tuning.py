@@ -37,7 +37,7 @@ LOW_LATENCY_MAX_TOKENS: int = 256
 # 64x16 15.6 / 15.5 and 15.3 / 14.7; with more tasks than blocks one-token ranges measured 17.8
 # (64x16 at 128) and 22.9-25.3 (132x16 at 256). vecUnroll 2 (a token's 14 chunks on 14 of the 16
 # waves, not 7 on 7) 14.3 / 14.3 and 14.5 / 14.6 against 4's 15.0 / 14.6 and 15.2 / 15.1 (run 9).
-ONE_TOKEN_COMBINE: dict = {"vecUnroll": 2}
+ONE_TOKEN_COMBINE: dict[str, int] = {"vecUnroll": 2}
 
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
