@@ -31,12 +31,10 @@ DEFAULT_COMBINE: tuple[int, int] = (132, 16)  # clamped to the CU/SM count
 # 56.4-57.0; 4096 177.4-177.5 against 175.9-176.4. The edge lies between 256 and 512 (not swept).
 LOW_LATENCY_MAX_TOKENS: int = 256
 # A low-latency op whose every peer-token task fits the device's SMs (EpRangeTok: one-token ranges)
-# combines on every SM (the tables' blocks do not apply) with these EpCfg fields. sm_90a EP2 bf16
-# hidden 7168, 128 tokens, 132x16, graph mode, combine fresh / buffer µs (docs/PERF.md session 17):
-# one-token ranges 14.4 / 15.1 and 14.7 / 14.7 (run 6) against two-token ranges at the table's
-# 64x16 15.6 / 15.5 and 15.3 / 14.7; with more tasks than blocks one-token ranges measured 17.8
-# (64x16 at 128) and 22.9-25.3 (132x16 at 256). vecUnroll 2 (a token's 14 chunks on 14 of the 16
-# waves, not 7 on 7) 14.3 / 14.3 and 14.5 / 14.6 against 4's 15.0 / 14.6 and 15.2 / 15.1 (run 9).
+# combines on every SM (the tables' blocks do not apply; the session-17 sweep notes below) with
+# these EpCfg fields. vecUnroll 2 puts a token's 14 chunks on 14 of the 16 waves, not 7 on 7:
+# sm_90a EP2 bf16 hidden 7168, 128 tokens, 132x16, graph mode, combine fresh / buffer 14.3 / 14.3
+# and 14.5 / 14.6 µs against 4's 15.0 / 14.6 and 15.2 / 15.1 (docs/PERF.md session 17, run 9).
 ONE_TOKEN_COMBINE: dict[str, int] = {"vecUnroll": 2}
 
 
@@ -98,9 +96,9 @@ ONE_TOKEN_COMBINE: dict[str, int] = {"vecUnroll": 2}
 # Session 17 (low latency: every lane polls its vectors), runs 4 and 6, graph mode, combine µs, EP2
 #   bf16 (docs/bench/session17/run{4,6}/sweep_*.log). Two-token ranges: 128: 64x16 15.3-15.6 |
 #   96x16 15.5-15.7 | 132x16 15.2-15.9;  256: 132x16 20.2-20.7 | 96x16 23.6-24.9 | 64x16 23.7-25.2.
-#   One-token ranges (run 6): 128: 132x16 14.4-14.7 | 64x16 17.8 (more tasks than blocks);
-#   256: 132x16 22.9-25.3. So a low-latency op whose tasks fit the SMs takes them all
-#   (ONE_TOKEN_COMBINE); the table did not move.
+#   One-token ranges (run 6, fresh / buffer): 128: 132x16 14.4 / 15.1 and 14.7 / 14.7 | 64x16 17.8
+#   (more tasks than blocks);  256: 132x16 22.9-25.3. So a low-latency op whose tasks fit the SMs
+#   takes them all (ONE_TOKEN_COMBINE); the table did not move.
 # Within noise the smaller geometry wins (fewer warps in total). experts_per_rank was not varied,
 # so the keys are exact, not wildcards. 1024 tokens was not swept: it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
