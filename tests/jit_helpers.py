@@ -69,7 +69,7 @@ def other_valid_value(cfg: Any, name: str, rng: random.Random | None = None):
     elif issubclass(fi.kind, CEnum):
         cands = [m for m in fi.kind if m != cur]
     else:
-        cands = [cur * 2, cur // 2, cur + 1, cur - 1, cur + 16, cur * 4, 0, 1, 32, 64]
+        cands = [cur * 2, cur // 2, cur + 1, cur - 1, cur + 2, cur + 16, cur * 4, 0, 1, 32, 64]
         cands += [rng.randint(1, 4096) for _ in range(50)]
     for v in cands:
         if v == cur:

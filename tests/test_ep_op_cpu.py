@@ -269,6 +269,52 @@ def test_one_token_ranges_take_their_tuning_and_an_override_still_wins(monkeypat
     assert unrolls(128) == {(2, default)}
 
 
+def test_dispatch_buckets_whose_blocks_own_many_tokens_take_the_bulk_copy_path(monkeypatch):
+    from mori_jit.ops.ep.cfg import EpBulkSmemBytes, EpBulkStages, EpTokenBytes
+    from mori_jit.ops.ep.specs import EP_DISPATCH
+
+    least = hip_tuning.BULK_DISPATCH_MIN_TOKENS
+
+    def dispatch(m, arch="sm_90a", **kw):
+        cfg = EpDispatchCombineConfig(**{**dict(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128,
+                                                num_experts_per_token=8, max_num_inp_token_per_rank=m), **kw})
+        v = ep_variants(cfg, arch, 132)
+        return [(edge, c.blockNum, c.bulkMinTokens) for edge, c in zip(v.schedule.edges, v.dispatch)]
+
+    # 132 blocks own up to 31 tokens at 4096: the open bucket asks; the 64-block buckets (<= 512) cannot reach it
+    assert dispatch(4096) == [(128, 64, 0), (512, 64, 0), (None, 132, least)]
+    assert dispatch(132 * least)[-1] == (None, 132, least)
+    assert dispatch(132 * least - 132)[-1] == (None, 132, 0)  # at most least - 1 per block
+    assert {b for _, _, b in dispatch(128)} == {0}
+    assert dispatch(4096, dispatch_block_num=16) == [(128, 16, 0), (512, 16, least), (None, 16, least)]
+    assert {b for _, _, b in dispatch(4096, arch="sm_80")} == {0}  # no bulk-copy unit there
+    assert {b for _, _, b in dispatch(4096, arch="gfx942")} == {0}
+    assert {b for _, _, b in dispatch(4096, hidden_dim=65536)} == {0}  # 4 stages of 128 KB rows do not fit
+    c = ep_variants(EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128,
+                                            num_experts_per_token=8, max_num_inp_token_per_rank=4096), "sm_90a", 132)
+    bulk, plain = c.dispatch[-1], c.dispatch[0]
+    assert EpBulkStages(bulk) == 4 and EP_DISPATCH.geometry(bulk).shared_bytes == 4 * EpTokenBytes(bulk)
+    assert EP_DISPATCH.geometry(plain).shared_bytes == 0 == EpBulkSmemBytes(plain)
+    assert EP_DISPATCH.entry_name(bulk).endswith("_132x8_bulk") and not EP_DISPATCH.entry_name(plain).endswith("_bulk")
+    assert {x.bulkMinTokens for x in c.combine} == {0}
+    # a request: an override wins either way; it is refused where no unit exists, and on the combine leg
+    monkeypatch.setenv("MORI_V2_EP_DISPATCH_BULK_MIN_TOKENS", "0")
+    assert {b for _, _, b in dispatch(4096)} == {0}
+    monkeypatch.setenv("MORI_V2_EP_DISPATCH_BULK_MIN_TOKENS", "1")
+    assert {b for _, _, b in dispatch(128)} == {1}
+    with pytest.raises(ConfigError, match="bulkMinTokens=1 on gfx942: no bulk-copy unit"):
+        dispatch(128, arch="gfx942")
+    monkeypatch.delenv("MORI_V2_EP_DISPATCH_BULK_MIN_TOKENS")
+    monkeypatch.setenv("MORI_V2_EP_BULK_MIN_TOKENS", "8")
+    with pytest.raises(ConfigError, match="bulkMinTokens=8 on the combine leg.*MORI_V2_EP_DISPATCH_BULKMINTOKENS"):
+        dispatch(128)
+    monkeypatch.delenv("MORI_V2_EP_BULK_MIN_TOKENS")
+    with pytest.raises(ConfigError, match="bulk-copy stages"):
+        make_ep_cfg(DISPATCH, "sm_90a", {"hiddenDim": 65536, "bulkMinTokens": 1})
+    with pytest.raises(ConfigError, match="bulkMinTokens must be >= 0"):
+        make_ep_cfg(DISPATCH, "sm_90a", {"bulkMinTokens": -1})
+
+
 def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64,
                                   num_experts_per_rank=8, num_experts_per_token=8)

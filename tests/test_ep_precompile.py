@@ -181,3 +181,48 @@ def test_nvcc_combine_hints_own_row_into_l2_before_the_flag_wait(combine_ptx):
     polls = [m.start() for m in re.finditer(r"ld\.acquire\.sys\.global\.u64", combine_ptx)]
     assert len(hints) == 4, len(hints)
     assert polls and max(hints) < max(polls), "the own-row L2 hints no longer precede the range-flag wait"
+
+
+def test_nvcc_bulk_copy_dispatch_builds_for_every_dtype_and_moves_rows_through_the_unit(tmp_path):
+    """A dispatch bucket whose blocks own many tokens (4096 tokens on 132 SMs) builds the bulk-copy
+    path for every dispatch dtype (fp32 rows: four 28 KB stages); its PTX loads rows into shared
+    memory on an mbarrier and stores them from there with `cp.async.bulk` (one bulk group per row),
+    and waits for the stores and fences the async proxy before the block's done count. The 128-token
+    op's dispatch has none of it."""
+    import re
+
+    from jit_helpers import nvcc_ptx
+    from mori_jit.jit.paths import kernels_dir
+
+    tc = toolchain_or_skip("sm_90a")
+
+    def dispatch(m, disp, comb):
+        cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=m,
+                                      num_experts_per_rank=128, num_experts_per_token=8,
+                                      dispatch_data_type=disp, combine_data_type=comb)
+        return [(s, c) for s, c in plan_requests(cfg, "sm_90a", 132) if "dispatch" in s.entry_name(c)]
+
+    built = set()
+    for disp, comb in _PAIRS:
+        bulk = [(s, c) for s, c in dispatch(4096, disp, comb) if c.bulkMinTokens]
+        assert len(bulk) == 1, [s.entry_name(c) for s, c in dispatch(4096, disp, comb)]
+        spec, c = bulk[0]
+        e = build(spec, c, tc)
+        assert spec.entry_name(c).encode() in e.binary.read_bytes()
+        built.add(spec.entry_name(c))
+    assert len(built) == 4, sorted(built)  # four dispatch dtypes
+
+    def ptx(spec, c, name):
+        src = tmp_path / f"{name}.cu"
+        src.write_text(spec.render_source(c, tc))
+        return nvcc_ptx(tc, src, tmp_path / f"{name}.ptx", [kernels_dir()])
+
+    spec, c = next((s, c) for s, c in dispatch(4096, torch.bfloat16, torch.bfloat16) if c.bulkMinTokens)
+    text = ptx(spec, c, "bulk")
+    assert re.search(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes", text)
+    assert re.search(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group", text)
+    wait = [m.start() for m in re.finditer(r"cp\.async\.bulk\.wait_group 0", text)]
+    assert wait and re.search(r"fence\.proxy\.async\.global", text[wait[-1]:]), "no proxy fence after the last wait"
+    assert re.search(r"red\.relaxed\.sys\.global\.add\.u64", text[wait[-1]:]), "the done count precedes the wait"
+    plain = ptx(*dispatch(128, torch.bfloat16, torch.bfloat16)[0], "plain")
+    assert "cp.async.bulk" not in plain and "mbarrier" not in plain

@@ -130,6 +130,33 @@ def _golden_job(rank, ws):
                 _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
 
 
+def _bulk_job(rank, ws):
+    """The bulk-copy dispatch (NVIDIA sm_90 and later): in one launch the blocks that own at least
+    BULK_DISPATCH_MIN_TOKENS tokens move their rows with the unit and the others through their
+    waves; every dispatch dtype; and a block whose tokens take two routing rounds."""
+    from mori_jit.jit.toolchain import detect_arch, has_bulk_copy
+    from mori_jit.ops.ep import EpDispatchCombineOp
+    from mori_jit.ops.ep.hip_tuning import BULK_DISPATCH_MIN_TOKENS as least
+    from mori_jit.ops.ep.variants import ep_variants
+
+    gen = torch.Generator().manual_seed(555 + rank)
+    bulk = has_bulk_copy(detect_arch())
+    blocks = 16
+    m = 2 * least * blocks  # up to 2 * least tokens per block
+    for i, (disp, comb) in enumerate(DTYPE_PAIRS):
+        cfg = _cfg(rank, ws, 7168, 8, disp, comb, m, dispatch_block_num=blocks,
+                   **({"combine_low_latency": False} if i % 2 else {}))
+        assert {c.bulkMinTokens for c in ep_variants(cfg, detect_arch(), 132).dispatch} == ({least} if bulk else {0})
+        with EpDispatchCombineOp(cfg, None) as op:
+            # all bulk; half the blocks bulk (least tokens) and half not (least - 1); none; all
+            for n in (m, blocks * least - blocks // 2, 37, 0, m):
+                _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
+    # 2 blocks of 16 waves route at most 256 tokens per round (DispatchRound): 300 take two rounds
+    with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, 600, dispatch_block_num=2), None) as op:
+        for n in (600, 300, 600):
+            _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
+
+
 def _rounds_job(rank, ws):
     from mori_jit.ops.ep import EpDispatchCombineOp
 
@@ -367,6 +394,10 @@ def test_combine_inputs_anywhere_and_back_to_back():
 
 def test_queued_rounds_without_host_sync():
     run_distributed(_queued_rounds_job, _world(), timeout=600, backend="nccl")
+
+
+def test_bulk_copy_dispatch_mixed_blocks_dtypes_and_rounds():
+    run_distributed(_bulk_job, _world(), timeout=600, backend="nccl")
 
 
 def test_200_rounds_without_reset():

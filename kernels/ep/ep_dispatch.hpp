@@ -90,14 +90,97 @@ MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, Dis
   __syncthreads();  // the round's routing is visible to all the block's waves
 }
 
+// Calls fn(pe, slot) for each destination the claim gave the round's token li, with the whole wave.
+template <EpCfg kCfg, typename Fn>
+MORI_DEVICE void ForEachDest(const DispatchRound<kCfg>& round, int li, Fn&& fn) {
+  constexpr int kK = kCfg.numExpertPerToken, kRecv = EpMaxRecv(kCfg);
+  const int lane = plat::lane_id();
+  const int flat = lane < kK ? round.flat[li * kK + lane] : -1;
+  for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
+    const int f = plat::shfl(flat, plat::lowest_bit(m));
+    fn(f / kRecv, f % kRecv);
+  }
+}
+
+// What travels with a row to (pe, slot), by the wave: the token's ids and weights (lanes < kK) and
+// both reverse-map entries (lane 0): where the row came from, and where token t landed this epoch
+// (combine's sender on pe walks this rank's tokens in order).
+template <EpCfg kCfg>
+MORI_DEVICE void StoreTokenMeta(const EpArgs& args, const DispatchRound<kCfg>& round, int li, int t, int pe, int slot,
+                                uint64_t target, bool withWeights) {
+  constexpr int kK = kCfg.numExpertPerToken;
+  const int lane = plat::lane_id();
+  if (lane >= kK) return;
+  At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
+  if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = round.weight[li * kK + lane];
+  if (lane == 0) {
+    At<int>(args, pe, args.off_recv_to_src)[slot] = args.rank * kCfg.maxTokPerRank + t;
+    At<uint64_t>(args, pe, args.off_src_to_recv)[args.rank * kCfg.maxTokPerRank + t] = (target << 32) | uint32_t(slot);
+  }
+}
+
+// Rows through the bulk-copy unit (thread 0 of a block that owns at least kCfg.bulkMinTokens
+// tokens): each owned row is loaded once into one of kStages shared stages and stored from there
+// to each of its destinations, the loads running kStages - 1 rows ahead of the stores, while the
+// block's waves store the metadata. A round's first rows are loaded before its claim (they need no
+// slot), overlapping its round trip. Row i since the kernel's start uses stage i % kStages, whose
+// barrier completes phase i / kStages. A block with fewer tokens copies through its waves: one
+// thread's serial loads and stores measured slower there (docs/PERF.md session 18, runs 2-3).
+template <EpCfg kCfg>
+struct BulkRows {
+  static constexpr int kStages = EpBulkStages(kCfg), kBytes = EpTokenBytes(kCfg), kK = kCfg.numExpertPerToken;
+  int loads = 0, stores = 0;
+
+  MORI_DEVICE static uint64_t* Loaded(int s) {
+    __shared__ uint64_t loaded[kStages];
+    return loaded + s;
+  }
+  MORI_DEVICE static char* Stage(int s) {
+    extern __shared__ __align__(128) char stages[];  // EpBulkSmemBytes, the launch's dynamic shared memory
+    return stages + s * kBytes;
+  }
+  MORI_DEVICE void Init() {
+    for (int s = 0; s < kStages; ++s) plat::bulk_barrier_init(Loaded(s));
+  }
+  MORI_DEVICE void Load(const EpArgs& args, int t) {
+    const int s = loads++ % kStages;
+    plat::bulk_load(Stage(s), static_cast<const char*>(args.inpTok) + size_t(t) * kBytes, kBytes, Loaded(s));
+  }
+  // Before the claim of the round of owned tokens r0 .. r0 + num (the stages are free).
+  MORI_DEVICE void Prefetch(const EpArgs& args, int r0, int num) {
+    for (int i = 0; i < kStages && i < num; ++i) Load(args, OwnedToken<kCfg>(r0 + i));
+  }
+  // After the claim: each row to its destinations (a bulk group per row), then its stage refilled
+  // once its stores have read it. Returns with every stage free again.
+  MORI_DEVICE void Push(const EpArgs& args, int r0, int num, const DispatchRound<kCfg>& round) {
+    constexpr int kRecv = EpMaxRecv(kCfg);
+    plat::bulk_after_generic();  // the block's combine-done wait precedes the async proxy's stores
+    for (int i = 0; i < num; ++i, ++stores) {
+      const int s = stores % kStages;
+      plat::bulk_wait_load(Loaded(s), uint32_t(stores / kStages & 1));
+      for (int j = 0; j < kK; ++j) {
+        const int f = round.flat[i * kK + j];
+        if (f >= 0) plat::bulk_store(At<char>(args, f / kRecv, args.off_disp_out) + size_t(f % kRecv) * kBytes, Stage(s), kBytes);
+      }
+      plat::bulk_commit();
+      if (i >= 1 && i - 1 + kStages < num) {  // row i - 1's stage, once read, takes row i - 1 + kStages
+        plat::bulk_wait_smem_read<1>();
+        Load(args, OwnedToken<kCfg>(r0 + i - 1 + kStages));
+      }
+    }
+    plat::bulk_wait_smem_read<0>();
+  }
+};
+
 template <EpCfg kCfg, typename T>
 MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   static_assert(EpIsValid(kCfg), "invalid EpCfg");
   static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
   static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
   static_assert(kCfg.worldSize <= kMaxPeers, "worldSize exceeds the peer array");
-  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize;
-  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg), kUnroll = kCfg.vecUnroll;
+  static_assert(kCfg.bulkMinTokens == 0 || plat::kHasBulkCopy, "bulkMinTokens needs a bulk-copy unit (NVIDIA sm_90 and later)");
+  constexpr int kW = kCfg.waveSize, kWs = kCfg.worldSize;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll;
   const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
   uint64_t* sync = SyncWords(args);
   const uint64_t epoch = sync[kDispEpoch];
@@ -107,6 +190,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
 
   constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
   const int owned = BlockTokens<kCfg>(n), wave = plat::wave_id();
+  const bool bulkBlock = kCfg.bulkMinTokens > 0 && owned >= kCfg.bulkMinTokens;  // block-uniform
   auto loadChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll]) {
     const int v0 = chunk * kChunkVecs + lane;
     const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
@@ -124,40 +208,49 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   }
   __shared__ DispatchRound<kCfg> round;
   const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  [[maybe_unused]] BulkRows<kCfg> bulk;
+  if constexpr (kCfg.bulkMinTokens > 0)
+    if (bulkBlock && threadIdx.x == 0) bulk.Init();
   for (int r0 = 0; r0 < owned; r0 += DispatchRound<kCfg>::kTok) {
     // Work items of the round: the chunks of its tokens, over the block's waves.
-    const int numItems = (owned - r0 < DispatchRound<kCfg>::kTok ? owned - r0 : DispatchRound<kCfg>::kTok) * kChunks;
+    const int num = owned - r0 < DispatchRound<kCfg>::kTok ? owned - r0 : DispatchRound<kCfg>::kTok, numItems = num * kChunks;
     vec16_t buf[kUnroll];
-    if (wave < numItems) loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);  // overlaps the claim
+    if (bulkBlock) {
+      if constexpr (kCfg.bulkMinTokens > 0)
+        if (threadIdx.x == 0) bulk.Prefetch(args, r0, num);
+    } else if (wave < numItems) {
+      loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);  // overlaps the claim
+    }
 
-    ClaimSlots<kCfg>(args, parity, r0, numItems / kChunks, round);
+    ClaimSlots<kCfg>(args, parity, r0, num, round);
     if (r0 == 0 && blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
 
+    if (bulkBlock) {
+      if constexpr (kCfg.bulkMinTokens > 0)
+        if (threadIdx.x == 0) bulk.Push(args, r0, num, round);
+      constexpr int kMetaWaves = kCfg.warpPerBlock > 1 ? kCfg.warpPerBlock - 1 : 1;  // wave 0 holds thread 0
+      for (int li = wave - (kCfg.warpPerBlock - kMetaWaves); li >= 0 && li < num; li += kMetaWaves) {
+        const int t = OwnedToken<kCfg>(r0 + li);
+        ForEachDest<kCfg>(round, li, [&](int pe, int slot) { StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights); });
+      }
+      continue;
+    }
     for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
       const int li = item / kChunks, t = OwnedToken<kCfg>(r0 + li), chunk = item % kChunks;
       const int v0 = chunk * kChunkVecs + lane;
       if (item != wave) loadChunk(t, chunk, buf);
-      const int flat = lane < kK ? round.flat[li * kK + lane] : -1;
-      for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
-        const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
+      ForEachDest<kCfg>(round, li, [&](int pe, int slot) {
         vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
           if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
-        if (chunk == 0 && lane < kK) {  // the token's metadata travels with its first chunk
-          At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
-          if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = round.weight[li * kK + lane];
-          if (lane == 0) {
-            At<int>(args, pe, args.off_recv_to_src)[slot] = rank * kCfg.maxTokPerRank + t;
-            // combine's sender on pe walks this rank's tokens in order: where token t landed, this epoch
-            At<uint64_t>(args, pe, args.off_src_to_recv)[rank * kCfg.maxTokPerRank + t] = (target << 32) | uint32_t(slot);
-          }
-        }
-      }
+        if (chunk == 0) StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);  // with the first chunk
+      });
     }
   }
 
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
+  if (bulkBlock && threadIdx.x == 0) plat::bulk_wait_stores();  // before the fence that publishes the rows
   // Every block tells every rank (this one too) that its rows are there: once the block's stores
   // are visible system-wide, one relaxed add per rank (block 0 first publishes this rank's token
   // count), its share of kDoneUnit (BlockShare). No block waits for another before its news leaves.

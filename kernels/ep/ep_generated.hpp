@@ -36,6 +36,7 @@ struct EpCfg {
   bool useWeights = true;
   int vecUnroll = 4;
   bool lowLatency = false;
+  int bulkMinTokens = 0;
 };
 
 // bytes per payload element
@@ -50,10 +51,14 @@ constexpr int EpMaxRecv(const EpCfg& c) { return ((c.maxRecv == 0) ? (c.worldSiz
 constexpr int EpNumExperts(const EpCfg& c) { return (c.numExpertPerRank * c.worldSize); }
 // tokens per combine range (a sender's task, a summing block's unit)
 constexpr int EpRangeTok(const EpCfg& c) { return ((c.lowLatency && ((c.maxTokPerRank * (c.worldSize - 1)) <= c.blockNum)) ? 1 : 2); }
+// rows in flight per dispatch block through the bulk-copy unit (0: none)
+constexpr int EpBulkStages(const EpCfg& c) { return ((c.bulkMinTokens > 0) ? 4 : 0); }
+// dynamic shared memory of a dispatch block: its bulk-copy stages
+constexpr int EpBulkSmemBytes(const EpCfg& c) { return (EpBulkStages(c) * EpTokenBytes(c)); }
 // the dtype can be reduced (combine leg)
 constexpr bool EpSummable(const EpCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the kernels can be built and are correct for this config
-constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))); }
+constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (EpBulkSmemBytes(c) <= 196608)); }
 
 struct EpArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]

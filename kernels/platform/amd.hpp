@@ -100,3 +100,5 @@ MORI_DEVICE uint64_t load_relaxed_system(const uint64_t* p) {
 MORI_DEVICE void prefetch_l2(const void*) {}
 
 }  // namespace mori::plat
+
+#include "platform/no_bulk_copy.hpp"  // no bulk-copy unit

@@ -107,4 +107,54 @@ MORI_DEVICE uint64_t load_relaxed_system(const uint64_t* p) {
 // a load issued later hits L2 instead of HBM.
 MORI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// Bulk copies (the TMA unit, sm_90 and later): one thread moves whole rows global -> shared ->
+// global, to a peer's memory too, while the block's waves do other work. (The host pass of nvcc
+// sees them too; it compiles no device code.)
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+constexpr bool kHasBulkCopy = true;
+MORI_DEVICE uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// A one-arrival mbarrier, used only by the thread that initialised it (see bulk_expect).
+MORI_DEVICE void bulk_barrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Load `bytes` from global src into shared smem; bar's current phase completes once they landed.
+MORI_DEVICE void bulk_load(void* smem, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(smem)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+// Wait until bar's phase of parity `phase` has completed (its bulk load landed).
+MORI_DEVICE void bulk_wait_load(uint64_t* bar, uint32_t phase) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
+}
+// Store `bytes` from shared smem to global dst (a peer's memory too), in the open bulk group.
+MORI_DEVICE void bulk_store(void* dst, const void* smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(smem)),
+               "r"(bytes) : "memory");
+}
+// Close the bulk group of the stores issued since the last one.
+MORI_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Every committed group but the `Pending` newest has read its shared source (which may be reloaded).
+template <int Pending>
+MORI_DEVICE void bulk_wait_smem_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(Pending) : "memory"); }
+// Every committed group has been performed and, through the proxy fence, is ordered before this
+// thread's later accesses (a system fence and a count that follow then publish the rows).
+MORI_DEVICE void bulk_wait_stores() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+// This thread's earlier accesses (and what a block barrier ordered before them) precede its later
+// bulk copies, which the async proxy performs.
+MORI_DEVICE void bulk_after_generic() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+#endif
+
 }  // namespace mori::plat
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#include "platform/no_bulk_copy.hpp"
+#endif

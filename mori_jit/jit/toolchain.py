@@ -23,7 +23,7 @@ from pathlib import Path
 from . import knobs
 
 __all__ = ["Toolchain", "ToolchainError", "make_toolchain", "get_toolchain", "set_arch_override",
-           "detect_arch", "vendor_of", "wave_size_for_arch"]
+           "detect_arch", "has_bulk_copy", "vendor_of", "wave_size_for_arch"]
 
 
 class ToolchainError(RuntimeError):
@@ -46,6 +46,12 @@ def wave_size_for_arch(arch: str) -> int:
     if vendor_of(arch) == "nvidia":
         return 32
     return 64 if arch.startswith("gfx9") else 32
+
+
+def has_bulk_copy(arch: str) -> bool:
+    """Whether ``arch`` has a bulk-copy (TMA) unit that one thread drives: NVIDIA sm_90 and later."""
+    m = re.fullmatch(r"sm_(\d+)[a-z]?", arch)
+    return vendor_of(arch) == "nvidia" and m is not None and int(m.group(1)) >= 90
 
 
 @dataclasses.dataclass(frozen=True)

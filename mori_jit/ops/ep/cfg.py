@@ -14,19 +14,22 @@ from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
 from mori_jit.jit.codegen import GeneratedHeader, register_header
 from mori_jit.jit.expr import C, Derived, where
 from mori_jit.jit.fields import CConst, CEnum, ConfigError, apply_request, cfg_fields
-from mori_jit.jit.toolchain import wave_size_for_arch
+from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 
 from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
-           "EP_REGIONS", "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "make_ep_cfg", "region_bytes",
+           "EP_REGIONS", "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
-           "EpSummable", "DISPATCH", "COMBINE"]
+           "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
 EP_MAX_PEERS = 8
 #: Most threads in one block, on every supported arch.
 EP_MAX_BLOCK_THREADS = 1024
+#: Most dynamic shared memory for a dispatch block's bulk-copy stages: sm_90's 227 KiB per block
+#: less the static routing arrays (DispatchRound, at most 24 KiB) and the claim's words.
+EP_MAX_BULK_SMEM = 192 * 1024
 DISPATCH, COMBINE = "dispatch", "combine"
 
 
@@ -169,6 +172,10 @@ class EpCfg:
     vecUnroll: int = 4  # 16-byte vectors in flight per lane (per source in combine): memory-level parallelism
     # combine: rows pushed as their own arrival signal (each 32-bit word; no fence, no range flag)
     lowLatency: bool = False
+    # dispatch: a block that owns at least this many tokens moves its rows with the bulk-copy unit
+    # (EpBulkStages rows in flight, one thread drives it); others, and every block at 0, copy them
+    # through the waves' registers. NVIDIA sm_90 and later only.
+    bulkMinTokens: int = 0
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -190,6 +197,11 @@ EpNumExperts = Derived("EpNumExperts", "EpCfg", C.numExpertPerRank * C.worldSize
 EpRangeTok = Derived("EpRangeTok", "EpCfg",
                      where(C.lowLatency & (C.maxTokPerRank * (C.worldSize - 1) <= C.blockNum), 1, 2),
                      doc="tokens per combine range (a sender's task, a summing block's unit)")
+# 4 stages: 2 and 6 measured no better (docs/PERF.md session 18, run 2).
+EpBulkStages = Derived("EpBulkStages", "EpCfg", where(C.bulkMinTokens > 0, 4, 0),
+                       doc="rows in flight per dispatch block through the bulk-copy unit (0: none)")
+EpBulkSmemBytes = Derived("EpBulkSmemBytes", "EpCfg", EpBulkStages * EpTokenBytes,
+                          doc="dynamic shared memory of a dispatch block: its bulk-copy stages")
 EpSummable = Derived("EpSummable", "EpCfg", C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32), ctype="bool",
                      doc="the dtype can be reduced (combine leg)")
 
@@ -213,6 +225,9 @@ _RULES: list[tuple[Any, str]] = [
     (C.warpPerBlock >= 1, "warpPerBlock must be >= 1"),
     (EpBlockThreads <= EP_MAX_BLOCK_THREADS, f"warpPerBlock*waveSize must be <= {EP_MAX_BLOCK_THREADS}"),
     ((C.vecUnroll >= 1) & (C.vecUnroll <= 8), "vecUnroll must be in 1..8"),
+    (C.bulkMinTokens >= 0, "bulkMinTokens must be >= 0"),
+    (EpBulkSmemBytes <= EP_MAX_BULK_SMEM, f"bulk-copy stages (EpBulkStages * token bytes) must fit in "
+                                          f"{EP_MAX_BULK_SMEM} bytes of shared memory"),
 ]
 
 
@@ -268,7 +283,8 @@ EP_ARGS = ArgsSchema("EpArgs", [
 
 register_header(GeneratedHeader(
     "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[CombWord, WaitId, ErrCode, XdbRow, SyncWord, FlagUnit, Stamp], cfgs=[EpCfg],
-    derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpRangeTok, EpSummable, EpIsValid],
+    derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpRangeTok, EpBulkStages,
+             EpBulkSmemBytes, EpSummable, EpIsValid],
     args=[EP_ARGS]))
 
 
@@ -315,7 +331,7 @@ def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
     """The EpCfg for leg ``kind`` on ``arch``: arch defaults ← ``request`` ← ``MORI_V2_EP_*`` overrides.
 
     The only place ``MORI_V2_EP_*`` is read; the result goes into the key like any other Cfg. The
-    combine leg refuses byte dtypes (they can be moved, not summed).
+    combine leg refuses byte dtypes (they can be moved, not summed) and bulk copies (dispatch only).
     """
     if kind not in (DISPATCH, COMBINE):
         raise ValueError(f"kind must be {DISPATCH!r} or {COMBINE!r}, got {kind!r}")
@@ -323,4 +339,10 @@ def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
     cfg = apply_request(EpCfg(worldSize=1, waveSize=wave_size_for_arch(arch)), merged)
     if kind == COMBINE and not EpSummable(cfg):
         raise ConfigError(f"combine dtype {cfg.dtype.name} cannot be summed; combine supports Bf16 and Fp32")
+    if kind == COMBINE and cfg.bulkMinTokens:
+        raise ConfigError(f"bulkMinTokens={cfg.bulkMinTokens} on the combine leg: bulk copies are a dispatch "
+                          f"choice (set MORI_V2_EP_DISPATCH_BULKMINTOKENS, not MORI_V2_EP_BULKMINTOKENS)")
+    if cfg.bulkMinTokens and not has_bulk_copy(arch):
+        raise ConfigError(f"bulkMinTokens={cfg.bulkMinTokens} on {arch}: no bulk-copy unit there "
+                          f"(NVIDIA sm_90 and later); use 0")
     return cfg

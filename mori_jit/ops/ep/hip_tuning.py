@@ -18,7 +18,7 @@ import dataclasses
 from typing import Optional
 
 __all__ = ["Bucket", "Schedule", "DISPATCH_TABLE", "COMBINE_TABLE", "DEFAULT_DISPATCH", "DEFAULT_COMBINE",
-           "LOW_LATENCY_MAX_TOKENS", "ONE_TOKEN_COMBINE", "lookup", "schedule_from_buckets"]
+           "LOW_LATENCY_MAX_TOKENS", "ONE_TOKEN_COMBINE", "BULK_DISPATCH_MIN_TOKENS", "lookup", "schedule_from_buckets"]
 
 Bucket = tuple[Optional[int], int, int]  # (max_tokens_inclusive | None, blocks, warps)
 
@@ -36,6 +36,16 @@ LOW_LATENCY_MAX_TOKENS: int = 256
 # sm_90a EP2 bf16 hidden 7168, 128 tokens, 132x16, graph mode, combine fresh / buffer 14.3 / 14.3
 # and 14.5 / 14.6 µs against 4's 15.0 / 14.6 and 15.2 / 15.1 (docs/PERF.md session 17, run 9).
 ONE_TOKEN_COMBINE: dict[str, int] = {"vecUnroll": 2}
+# A dispatch block that owns at least this many tokens moves its rows with the bulk-copy unit
+# (EpCfg.bulkMinTokens, NVIDIA sm_90 and later): a bucket whose blocks can own that many compiles
+# the bulk path, and each block chooses by its own count. sm_90a EP2 hidden 7168, graph mode,
+# dispatch µs, every block bulk (4 stages) against wave copies, same calls (docs/PERF.md session
+# 18, runs 2-3): 31 tokens per block (4096 on 132): bf16 173.7-174.2 against 174.3-175.2, fp8
+# 93.0-93.5 against 95.6-96.0; 15.5 (2048): bf16 91.9-92.1 against 92.5-92.6, fp8 51.5-51.8 against
+# 52.4-52.8; 7.8 (1024): bf16 51.0-51.1 against 50.5-50.7, fp8 equal; 8 (512 on 64): bf16 equal,
+# fp8 20.2-20.8 against 19.5-19.8; 4 (256 on 64): equal; 1-2 (128): bf16 15.3-15.6 against 13.9-14.7.
+# The edge lies between 8 and 15.5 (not swept): 12.
+BULK_DISPATCH_MIN_TOKENS: int = 12
 
 
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets

@@ -5,7 +5,7 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain
 
-from .cfg import COMBINE, DISPATCH, EP_ARGS, EpBlockThreads, EpCfg, EpDType, make_ep_cfg
+from .cfg import COMBINE, DISPATCH, EP_ARGS, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, make_ep_cfg
 
 __all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "ELEM_TYPES"]
 
@@ -33,12 +33,13 @@ class EpSpec(Spec):
         return make_ep_cfg(self.kind, toolchain.arch, request or {})
 
     def entry_name(self, cfg: EpCfg) -> str:
-        # (_ll: the low-latency combine)
+        # (_ll: the low-latency combine; _bulk: a dispatch whose large blocks use the bulk-copy unit)
         return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
-                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatency else ''}")
+                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatency else ''}"
+                f"{'_bulk' if cfg.bulkMinTokens else ''}")
 
     def geometry(self, cfg: EpCfg) -> Geometry:
-        return Geometry((cfg.blockNum, 1, 1), (EpBlockThreads(cfg), 1, 1))
+        return Geometry((cfg.blockNum, 1, 1), (EpBlockThreads(cfg), 1, 1), EpBulkSmemBytes(cfg))
 
     def template_vars(self, cfg: EpCfg, toolchain: Toolchain) -> dict:
         # Arch routing happens here, on the host: every arch uses the portable body today.

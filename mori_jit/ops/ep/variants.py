@@ -6,12 +6,15 @@ what makes precompile produce exactly the binaries the op will ask for.
 from __future__ import annotations
 
 import dataclasses
+import types
 
-from mori_jit.jit.toolchain import wave_size_for_arch
+from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 
-from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpRangeTok, make_ep_cfg
+from .cfg import (COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_BULK_SMEM, EpBulkSmemBytes, EpCfg, EpDType, EpRangeTok,
+                  make_ep_cfg)
 from .config import EpDispatchCombineConfig
-from .hip_tuning import LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, Schedule, lookup, schedule_from_buckets
+from .hip_tuning import (BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, Schedule, lookup,
+                         schedule_from_buckets)
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
            "config_from_strings", "precompile_targets"]
@@ -51,6 +54,15 @@ def _one_token_ranges(cfg: EpDispatchCombineConfig, blocks: int, arch: str) -> b
     return EpRangeTok(probe) == 1
 
 
+def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
+    """Whether dispatch ``c`` (a bucket of at most ``max_tokens`` tokens) asks for the bulk-copy
+    path (tuning: ``hip_tuning.BULK_DISPATCH_MIN_TOKENS``): the arch has the unit, a block can own
+    that many tokens, and the stages fit in shared memory. A request: a ``MORI_V2_EP_*`` override wins."""
+    probe = types.SimpleNamespace(**{**vars(c), "bulkMinTokens": BULK_DISPATCH_MIN_TOKENS})  # (not validated)
+    return (has_bulk_copy(arch) and -(-max_tokens // c.blockNum) >= BULK_DISPATCH_MIN_TOKENS
+            and EpBulkSmemBytes(probe) <= EP_MAX_BULK_SMEM)
+
+
 def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool) -> Schedule:
     if cfg.schedule is not None:
         disp = [(b[0], b[1], b[2]) for b in cfg.schedule]
@@ -85,6 +97,11 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
         c = leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low)[0]
         return c if EpRangeTok(c) == 2 else leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low, **ONE_TOKEN_COMBINE)[0]
 
+    def dispatch(edge, geo):  # a bucket whose blocks can own enough tokens takes the bulk path, as a request
+        c = leg(DISPATCH, cfg.dispatch_dtype, [geo])[0]
+        return leg(DISPATCH, cfg.dispatch_dtype, [geo], bulkMinTokens=BULK_DISPATCH_MIN_TOKENS)[0] \
+            if _bulk_dispatch(c, arch, min(edge or cfg.max_num_inp_token_per_rank, cfg.max_num_inp_token_per_rank)) else c
+
     comb = tuple(combine(geo) for geo in sched.combine)
     for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
         from mori_jit.jit.fields import ConfigError
@@ -94,7 +111,7 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
         if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
             raise ConfigError(f"combine lowLatency={c.lowLatency} from MORI_V2_EP_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")
-    return EpVariants(sched, leg(DISPATCH, cfg.dispatch_dtype, sched.dispatch), comb)
+    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb)
 
 
 def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
