@@ -287,6 +287,7 @@ def test_dispatch_buckets_whose_blocks_own_many_tokens_take_the_bulk_copy_path(m
     assert dispatch(132 * least - 132)[-1] == (None, 132, 0)  # at most least - 1 per block
     assert {b for _, _, b in dispatch(128)} == {0}
     assert dispatch(4096, dispatch_block_num=16) == [(128, 16, 0), (512, 16, least), (None, 16, least)]
+    assert {b for _, _, b in dispatch(4096, world_size=1, num_experts_per_rank=256)} == {0}  # no peers, no link
     assert {b for _, _, b in dispatch(4096, arch="sm_80")} == {0}  # no bulk-copy unit there
     assert {b for _, _, b in dispatch(4096, arch="gfx942")} == {0}
     assert {b for _, _, b in dispatch(4096, hidden_dim=65536)} == {0}  # 4 stages of 128 KB rows do not fit

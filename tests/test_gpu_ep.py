@@ -140,7 +140,7 @@ def _bulk_job(rank, ws):
     from mori_jit.ops.ep.variants import ep_variants
 
     gen = torch.Generator().manual_seed(555 + rank)
-    bulk = has_bulk_copy(detect_arch())
+    bulk = has_bulk_copy(detect_arch()) and ws > 1  # (one rank copies only into its own memory: no bulk path)
     blocks = 16
     m = 2 * least * blocks  # up to 2 * least tokens per block
     for i, (disp, comb) in enumerate(DTYPE_PAIRS):

@@ -44,7 +44,10 @@ ONE_TOKEN_COMBINE: dict[str, int] = {"vecUnroll": 2}
 # 93.0-93.5 against 95.6-96.0; 15.5 (2048): bf16 91.9-92.1 against 92.5-92.6, fp8 51.5-51.8 against
 # 52.4-52.8; 7.8 (1024): bf16 51.0-51.1 against 50.5-50.7, fp8 equal; 8 (512 on 64): bf16 equal,
 # fp8 20.2-20.8 against 19.5-19.8; 4 (256 on 64): equal; 1-2 (128): bf16 15.3-15.6 against 13.9-14.7.
-# The edge lies between 8 and 15.5 (not swept): 12.
+# The edge lies between 8 and 15.5 (not swept): 12. On 64 blocks (run 6, MORI_V2_EP_DISPATCH_BLOCKNUM)
+# at 4096: bf16 179.2-179.5 against 185.6-185.7, fp8 98.0-98.3 against 103.5-103.6. Not at one rank
+# (EP1 copies into its own memory, no link; runs 5-6, 4096 tokens): bf16 37.6-38.0 against 38.3-38.9,
+# but fp8 33.2-33.4 against 23.8 on 64 blocks and 25.2 against 20.5 on 132.
 BULK_DISPATCH_MIN_TOKENS: int = 12
 
 

@@ -56,10 +56,11 @@ def _one_token_ranges(cfg: EpDispatchCombineConfig, blocks: int, arch: str) -> b
 
 def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
     """Whether dispatch ``c`` (a bucket of at most ``max_tokens`` tokens) asks for the bulk-copy
-    path (tuning: ``hip_tuning.BULK_DISPATCH_MIN_TOKENS``): the arch has the unit, a block can own
+    path (tuning: ``hip_tuning.BULK_DISPATCH_MIN_TOKENS``): rows go to peers (one rank copies only
+    into its own memory, where the path measured slower), the arch has the unit, a block can own
     that many tokens, and the stages fit in shared memory. A request: a ``MORI_V2_EP_*`` override wins."""
     probe = types.SimpleNamespace(**{**vars(c), "bulkMinTokens": BULK_DISPATCH_MIN_TOKENS})  # (not validated)
-    return (has_bulk_copy(arch) and -(-max_tokens // c.blockNum) >= BULK_DISPATCH_MIN_TOKENS
+    return (c.worldSize > 1 and has_bulk_copy(arch) and -(-max_tokens // c.blockNum) >= BULK_DISPATCH_MIN_TOKENS
             and EpBulkSmemBytes(probe) <= EP_MAX_BULK_SMEM)
 
 
