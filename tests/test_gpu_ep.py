@@ -148,9 +148,12 @@ def _bulk_job(rank, ws):
                    **({"combine_low_latency": False} if i % 2 else {}))
         assert {c.bulkMinTokens for c in ep_variants(cfg, detect_arch(), 132).dispatch} == ({least} if bulk else {0})
         with EpDispatchCombineOp(cfg, None) as op:
-            # all bulk; half the blocks bulk (least tokens) and half not (least - 1); none; all
-            for n in (m, blocks * least - blocks // 2, 37, 0, m):
-                _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5))
+            # all bulk; half the blocks bulk (least tokens) and half not (least - 1); none; all, with
+            # 90 % of the slots dropped (0.9^8: ~43 % of the rows go nowhere, an empty bulk group
+            # each); all to one rank
+            for n, drop, all_to in ((m, 0.0, None), (blocks * least - blocks // 2, 0.0, None), (37, 0.0, None),
+                                    (0, 0.0, None), (m, 0.9, None), (m, 0.0, ws - 1)):
+                _round(op, op.cfg, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5), drop=drop, all_to=all_to)
     # 2 blocks of 16 waves route at most 256 tokens per round (DispatchRound): 300 take two rounds
     with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, 600, dispatch_block_num=2), None) as op:
         for n in (600, 300, 600):

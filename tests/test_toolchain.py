@@ -116,6 +116,12 @@ def test_vendor_of(arch, vendor):
     assert vendor_of(arch) == vendor
 
 
+@pytest.mark.parametrize("arch,has", [("sm_90a", True), ("sm_90", True), ("sm_100a", True), ("sm_120", True),
+                                      ("sm_89", False), ("sm_80", False), ("gfx90a", False), ("gfx942", False)])
+def test_has_bulk_copy_is_nvidia_sm90_and_later(arch, has):
+    assert tcm.has_bulk_copy(arch) is has
+
+
 @pytest.mark.parametrize("arch", ["", "gfx", "sm_9", "sm90", "cuda", "gfx90a:sramecc+", "GFX90A", "sm_90b"])
 def test_bad_arch_message_names_the_accepted_forms(arch, fake_cc):
     for fn in (vendor_of, make_toolchain, set_arch_override):
