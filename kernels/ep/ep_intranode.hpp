@@ -13,6 +13,11 @@
 //    over the block's waves, so a token is copied by several waves at once. Each vector is loaded
 //    once and stored to every destination; a token's first chunk also carries its ids, weights and
 //    reverse-map entry. A wave's first chunk is loaded before the claim, overlapping its round trip.
+//    On NVIDIA sm_90+, when the Cfg asks (bulkMinTokens; the host asks only with peers), a block
+//    that owns at least bulkMinTokens tokens instead has one thread move whole rows with the
+//    bulk-copy unit (each loaded once into shared memory, the first before the claim, and stored
+//    from there to every destination) while its waves store the ids, weights and reverse-map
+//    entries (BulkRows in ep_dispatch.hpp).
 // Before its first copy, each block waits (normally one load) until every peer has finished its
 // last combine, which may still read rows in this rank's target regions. When its copies are done,
 // each block fences them system-wide and adds its share to its rank's dispatch-done counter on

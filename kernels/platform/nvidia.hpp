@@ -113,7 +113,7 @@ MORI_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 constexpr bool kHasBulkCopy = true;
 MORI_DEVICE uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-// A one-arrival mbarrier, used only by the thread that initialised it (see bulk_expect).
+// A one-arrival mbarrier, used only by the thread that initialised it (bulk_load arrives on it).
 MORI_DEVICE void bulk_barrier_init(uint64_t* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
