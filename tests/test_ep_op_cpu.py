@@ -69,6 +69,15 @@ def _op_job(rank, ws):
             op.dispatch(x, w[:, :2].contiguous(), None, idx)
         with pytest.raises(ValueError, match="contiguous"):
             op.dispatch(x, w, None, idx.t().contiguous().t())
+        raw = torch.empty(x.numel() + 16, dtype=torch.uint8)  # a contiguous view 1 byte past a 16-byte boundary
+        shifted = raw[(16 - raw.data_ptr() % 16) % 16 + 1:][:x.numel()].view(FP8).view(x.shape)
+        with pytest.raises(ValueError, match=r"input: data at 0x[0-9a-f]+ is not 16-byte aligned"):
+            op.dispatch(shifted, w, None, idx)
+        out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        y_raw = torch.empty(m * hidden + 8, dtype=torch.bfloat16)  # combine: the same rule for out=
+        y_mis = y_raw[(8 - y_raw.data_ptr() // 2 % 8) % 8 + 1:][:m * hidden].view(m, hidden)
+        with pytest.raises(ValueError, match=r"out: data at 0x[0-9a-f]+ is not 16-byte aligned"):
+            op.combine(out.to(torch.bfloat16), weights=out_w, routing=routing, out=y_mis)
         # the op still works after rejected calls
         out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
         golden_check(op.group, rank, ws, m, 4, x, w, idx, out, out_w, out_idx, total, routing.recv_src, None, None)

@@ -73,11 +73,19 @@ def _backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def _expect(name: str, t: Any, dtype, shape: tuple, device) -> None:
+#: Alignment of the token-row tensors (dispatch input, combine input and output): the kernels move
+#: rows as 16-byte vectors (and the bulk-copy unit needs 16-byte addresses); a misaligned pointer
+#: would fault on the device, killing the context, instead of raising here.
+ROW_ALIGN = 16
+
+
+def _expect(name: str, t: Any, dtype, shape: tuple, device, align: int = 1) -> None:
     """Raise TypeError/ValueError naming ``name`` unless ``t`` is a contiguous ``dtype`` tensor of
-    ``shape`` (None = any) on ``device``. The common, valid case costs a few attribute reads."""
+    ``shape`` (None = any) on ``device`` whose data starts on an ``align``-byte boundary. The
+    common, valid case costs a few attribute reads."""
     try:
-        if (t.dtype is dtype and t.shape == shape and t.device == device and t.is_contiguous()):
+        if (t.dtype is dtype and t.shape == shape and t.device == device and t.is_contiguous()
+                and (align == 1 or t.data_ptr() % align == 0)):
             return
     except AttributeError:
         pass
@@ -92,6 +100,9 @@ def _expect(name: str, t: Any, dtype, shape: tuple, device) -> None:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
+    if t.data_ptr() % align:
+        raise ValueError(f"{name}: data at {t.data_ptr():#x} is not {align}-byte aligned (the kernels move rows "
+                         f"as {align}-byte vectors); pass a tensor whose storage starts on such a boundary")
 
 
 def _span(t: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -239,7 +250,7 @@ class EpDispatchCombineOp(abc.ABC):
         n = input.shape[0] if input.dim() == 2 else -1
         if n > cfg.max_num_inp_token_per_rank:
             raise ValueError(f"input: {n} tokens exceed max_num_inp_token_per_rank={cfg.max_num_inp_token_per_rank}")
-        _expect("input", input, self._disp_dtype, (n, cfg.hidden_dim), dev)
+        _expect("input", input, self._disp_dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
         if weights is not None:
             _expect("weights", weights, torch.float32, (n, cfg.num_experts_per_token), dev)
         if scales is not None:
@@ -272,13 +283,13 @@ class EpDispatchCombineOp(abc.ABC):
         rows = input.shape[0]
         if rows > self._cap:
             raise ValueError(f"input: {rows} rows exceed the receive capacity {self._cap}")
-        _expect("input", input, dtype, (rows, cfg.hidden_dim), dev)
+        _expect("input", input, dtype, (rows, cfg.hidden_dim), dev, ROW_ALIGN)
         if weights is not None:
             _expect("weights", weights, torch.float32, (rows, cfg.num_experts_per_token), dev)
         n = routing.num_tokens
         if out is not None or out_weights is not None:
             if out is not None:
-                _expect("out", out, dtype, (n, cfg.hidden_dim), dev)
+                _expect("out", out, dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
             if out_weights is not None:
                 if weights is None:
                     raise ValueError("out_weights: given without weights (there are no weights to combine)")
