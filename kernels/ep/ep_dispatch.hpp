@@ -208,6 +208,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   }
   __shared__ DispatchRound<kCfg> round;
   const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  // (`if constexpr` around its calls: a wave-only binary never instantiates a zero-stage BulkRows)
   [[maybe_unused]] BulkRows<kCfg> bulk;
   if constexpr (kCfg.bulkMinTokens > 0)
     if (bulkBlock && threadIdx.x == 0) bulk.Init();

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
+from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 
 from .cfg import (COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_BULK_SMEM, EpBulkSmemBytes, EpCfg, EpDType, EpRangeTok,
@@ -105,7 +106,6 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
 
     comb = tuple(combine(geo) for geo in sched.combine)
     for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
-        from mori_jit.jit.fields import ConfigError
         if c.blockNum > num_cus:
             raise ConfigError(f"combine blockNum={c.blockNum} exceeds the {num_cus} CUs/SMs of the device: its "
                               f"cross-device barrier needs every block resident (check MORI_V2_EP_*BLOCK_NUM)")
@@ -148,7 +148,6 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
     dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names, and
     ``combine_low_latency`` ``on``/``off`` (or true/false, 1/0).
     """
-    from mori_jit.jit.fields import ConfigError
     fields = {f.name: f for f in dataclasses.fields(EpDispatchCombineConfig)}
     kwargs: dict = {"rank": 0}
     num_cus = None
@@ -187,7 +186,6 @@ def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
     if num_cus is None:
         num_cus = DEFAULT_NUM_CUS.get(arch)
         if num_cus is None:
-            from mori_jit.jit.fields import ConfigError
             raise ConfigError(f"no default CU/SM count for {arch}; pass --ep num_cus=N "
                               f"(known: {', '.join(sorted(DEFAULT_NUM_CUS))})")
     return plan_requests(cfg, arch, num_cus)
