@@ -255,14 +255,15 @@ struct Sender {
 // Where one work item's rows come from: one source per rank its token went to (its own row
 // straight from the input, a peer's from comb_recv, where that peer pushed it), and this lane's
 // weight (lane < k) of each. `flat` is the token's forward-map entry on lane j < k (-1 elsewhere).
-// kLow (low latency): a peer's weight is a TaggedWeight, and nibble i of `pes` is source i's rank,
+// Low latency (kLow): a peer's weight is a TaggedWeight, and nibble i of `pes` is source i's rank,
 // so that peers' words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors
 // of the own row (prefetchV0, + waveSize, ...) are hinted into L2 as soon as the row is known: the
 // input was complete at the kernel's start, so its HBM latency can pass while the wave waits for
 // the peers' flags. (Loading it into registers there instead delayed the poll: PERF.md session 14,
 // run 5.)
-template <EpCfg kCfg, bool kLow>
+template <EpCfg kCfg>
 struct ItemSources {
+  static constexpr bool kLow = kCfg.lowLatency;
   static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
   static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg);
   static constexpr int kW = kCfg.waveSize, kUnroll = kCfg.vecUnroll;
@@ -304,9 +305,9 @@ struct ItemSources {
 // once it carries this combine's epoch; a short row's is 0), then reload whatever vector still
 // holds an empty word until none does: every lane polls its own vectors, so the wave has its rows
 // one load after the last lands (polling one word per row first, then loading, cost a load more:
-// PERF.md session 17). The timeout decision
-// is wave-uniform: each lane reads its own clock, and a lane that left alone would leave its wave's
-// next vote short of it (the hang of PERF.md session 15, run 7).
+// PERF.md session 17). The timeout decision is wave-uniform: each lane reads its own clock, and a
+// lane that left alone would leave its wave's next vote short of it (the hang of PERF.md session 15,
+// run 7).
 template <EpCfg kCfg, typename Src>
 MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, int s, int pair, bool withW, int v0,
                            int t, uint64_t (&tw)[2], float* wv, vec16_t (&buf)[2][kCfg.vecUnroll]) {
@@ -356,17 +357,18 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
 // next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
 // loads and its stores, so that neither the block's count nor the combine-done release waits for
 // those stores (nothing needs them before the kernel's end). `seen`: when the flags were seen.
-// kLow (low latency): no flags. Each wave waits for its own item's rows: it loads the chunk with
+// Low latency (kLow): no flags. Each wave waits for its own item's rows: it loads the chunk with
 // strong loads and reloads any vector still holding an empty word (AwaitRest), sums, and sets the
 // words it read back to kEmptyWord for the next combine (before its block's count); `seen` is then
 // when the wave last had its rows.
-template <EpCfg kCfg, typename T, bool kLow, typename Finish>
+template <EpCfg kCfg, typename T, typename Finish>
 MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, int b, const int* nextRange,
                           int numRanges, Finish&& finish) {
   constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize, kM = kCfg.maxTokPerRank;
   constexpr int kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll, kWaves = kCfg.warpPerBlock;
   constexpr int kPerVec = 16 / sizeof(T), kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
-  using Src = ItemSources<kCfg, kLow>;
+  constexpr bool kLow = kCfg.lowLatency;
+  using Src = ItemSources<kCfg>;
   const int rank = args.rank, lane = plat::lane_id(), wave = plat::wave_id(), n = args.numTokens;
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
   const int t0 = b * kRangeTok<kCfg>, numItems = min(kRangeTok<kCfg>, n - t0) * kChunks;
@@ -582,7 +584,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   if (first >= numRanges) finish(0);  // (a block with no range to sum ends here)
   for (int i = 0, r = first; r < numRanges; ++i) {
     if (int(threadIdx.x) == claimer) claimed[(i + 1) & 1] = claims ? int(plat::atomic_add_device(next, 1u)) : r + grid;
-    SumRange<kCfg, T, kCfg.lowLatency>(args, target, sumWeights, r, &claimed[(i + 1) & 1], numRanges, finish);
+    SumRange<kCfg, T>(args, target, sumWeights, r, &claimed[(i + 1) & 1], numRanges, finish);
     r = claimed[(i + 1) & 1];
   }
 }

@@ -52,8 +52,8 @@
 // host fills comb_recv with) or arrived; data words that read as a signal (NaNs) are sent as
 // another NaN, and weights carry the combine epoch. A summing wave loads its item and reloads any
 // vector still holding an empty word until none does, sums, and sets the words back to empty
-// before its block's done count. A row beyond a short input arrives as
-// kShortWord words (the home rank reports it).
+// before its block's done count. A row beyond a short input arrives as kShortWord words (the home
+// rank reports it).
 //
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.

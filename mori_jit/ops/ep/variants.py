@@ -9,7 +9,7 @@ import dataclasses
 import types
 
 from mori_jit.jit.fields import ConfigError
-from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
+from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
 from .cfg import (COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_BULK_SMEM, EpBulkSmemBytes, EpCfg, EpDType, EpRangeTok,
                   make_ep_cfg)
@@ -124,7 +124,7 @@ def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
         return False
     if cfg.combine_low_latency is not None:
         return cfg.combine_low_latency
-    return arch.startswith("sm_") and cfg.max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS
+    return vendor_of(arch) == "nvidia" and cfg.max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS
 
 
 def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> list[tuple]:
