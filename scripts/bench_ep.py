@@ -148,6 +148,14 @@ def _time_pairs(fn_a, fn_b, iters, rotate):
     return statistics.median(a), statistics.median(b)
 
 
+def _timed(d_us: float, c_us: float) -> dict:
+    """This rank's medians, with every rank's (``per_rank_us``: [dispatch, combine] by rank; the headline
+    figures are rank 0's, as every rank's events time the same lockstep loop). Collective."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [d_us, c_us])
+    return {"dispatch_us": d_us, "combine_us": c_us, "per_rank_us": every}
+
+
 def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     """The floor users would otherwise write: NCCL ``all_to_all_single`` of exactly the rows this
     routing sends (one copy per destination rank), forward in the dispatch dtype and back in the
@@ -169,8 +177,7 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     for _ in range(3):
         fwd(0), back(0)
     dist.barrier()
-    d_us, c_us = _time_pairs(fwd, back, iters, lambda i: None)
-    return {"dispatch_us": d_us, "combine_us": c_us}
+    return _timed(*_time_pairs(fwd, back, iters, lambda i: None))
 
 
 #: Phase stamps written by the kernels (``Stamp``, declared in mori_jit/ops/ep/cfg.py), as µs
@@ -281,8 +288,7 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 disp(0), comb_copy(0)
             for mode, (fa, fb) in mode_fns.items():
                 dist.barrier()
-                d_us, c_us = _time_pairs(fa, fb, args.iters, rotate)
-                res[f"{backend}_{mode}"] = {"dispatch_us": d_us, "combine_us": c_us}
+                res[f"{backend}_{mode}"] = _timed(*_time_pairs(fa, fb, args.iters, rotate))
             if backend == "hip":
                 # graph mode: capture dispatch and combine separately, replay with rotated inputs
                 s = torch.cuda.Stream()
@@ -298,11 +304,10 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 with torch.cuda.graph(gz):
                     mode_fns["eager_zerocopy"][1](0)
                 dist.barrier()
-                d_us, c_us = _time_pairs(lambda i: gd.replay(), lambda i: gc.replay(), args.iters, rotate)
-                res["hip_graph"] = {"dispatch_us": d_us, "combine_us": c_us}
+                res["hip_graph"] = _timed(*_time_pairs(lambda i: gd.replay(), lambda i: gc.replay(), args.iters, rotate))
                 dist.barrier()
-                d_us, c_us = _time_pairs(lambda i: gd.replay(), lambda i: gz.replay(), args.iters, rotate)
-                res["hip_graph_zerocopy"] = {"dispatch_us": d_us, "combine_us": c_us}
+                res["hip_graph_zerocopy"] = _timed(*_time_pairs(lambda i: gd.replay(), lambda i: gz.replay(), args.iters,
+                                                                rotate))
                 res["phases_us"] = _phase_profile(op, gd, gz)
                 res["phases_queued_us"] = _phase_profile(op, gd, gz, queued=True)
                 # the method's floor: a one-kernel graph (1-element add) timed the same way
@@ -416,6 +421,11 @@ def report(path: str) -> str:
         g = r["hip_graph"]
         lines.append(f"| {r['leg']} | {r['tokens']}{geo} | hip_graph dispatch + combine | "
                      f"{g['dispatch_us'] + g['combine_us']:.1f} | | | | | | | | |")
+        for mode in ("hip_graph", "hip_graph_zerocopy"):
+            if "per_rank_us" in r.get(mode, {}):
+                lines.append(f"| {r['leg']} | {r['tokens']}{geo} | {mode}, every rank's medians (dispatch / combine) | "
+                             + "; ".join(f"rank {i} {d:.1f} / {c:.1f}" for i, (d, c) in enumerate(r[mode]["per_rank_us"]))
+                             + " | | | | | | | | | |")
         for key, what in (("phases_us", "phases"), ("phases_queued_us", "phases, queued")):
             if key in r:
                 lines.append(f"| {r['leg']} | {r['tokens']} | {what} (µs from kernel start) | "

@@ -19,7 +19,7 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
     point = {"leg": "bf16", "tokens": 512, "ws": 2, "recv_rows": rows, "remote_rows": remote,
              "bytes": {"dispatch_remote": remote * hidden * 2, "combine_remote": remote * hidden * 2,
                        "dispatch_algo": rows * hidden * 2, "combine_algo": rows * hidden * 2},
-             "hip_graph": {"dispatch_us": 20.0, "combine_us": 25.0},
+             "hip_graph": {"dispatch_us": 20.0, "combine_us": 25.0, "per_rank_us": [[20.0, 25.0], [21.5, 24.0]]},
              "torch_eager": {"dispatch_us": 200.0, "combine_us": 100.0},
              "nccl_a2a": {"dispatch_us": 30.0, "combine_us": 50.0},
              "graph_floor_us": 4.5, "host_overhead_us": {"dispatch": 9.0, "combine": 14.0, "combine_out": 8.5,
@@ -39,6 +39,7 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
     assert "**400 GB/s** (median of 3 event-timed copies, 399-401)" in md
     assert "host overhead | 9.0 | 14.0 | (out=: 8.5)" in md
     assert "| bf16 | 512 | hip_graph dispatch + combine | 45.0 |" in md  # the legs trade time; their sum holds
+    assert "hip_graph, every rank's medians (dispatch / combine) | rank 0 20.0 / 25.0; rank 1 21.5 / 24.0 |" in md
     assert (tmp_path / "r.md").read_text().strip() == md.strip()
 
 
@@ -74,3 +75,14 @@ def test_phase_times_are_medians_and_skip_stamps_never_written():
     assert got["disp: end"] == 6.0 and got["comb: last block's done counts sent"] == 7.5
     assert got["gap: disp end -> comb start"] == 2_000_000 / 1e3 - 1_000_000 / 1e3 - 6.0
     assert "comb: last sender done" not in got and "disp: block 0 claimed its slots" not in got
+
+
+def _timed_job(rank, ws):
+    got = _bench_module()._timed(10.0 + rank, 20.0 - rank)
+    assert got["dispatch_us"] == 10.0 + rank and got["combine_us"] == 20.0 - rank
+    assert got["per_rank_us"] == [[10.0 + r, 20.0 - r] for r in range(ws)], got
+
+
+def test_timed_gathers_every_ranks_medians():
+    from ep_dist import run_distributed
+    run_distributed(_timed_job, 2, timeout=60)
