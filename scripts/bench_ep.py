@@ -8,7 +8,8 @@ Workload (defaults): hidden 7168, topk 8, 256 experts in total, tokens per rank 
 routing = a random permutation of experts per token, first k; bf16/bf16 and fp8/bf16 legs.
 Every timed point is first gated by the golden check (exit 1 on failure). Timing: warm-up, a GPU
 sleep so the host queues the loop ahead of the GPU, CUDA
-events, 4 rotating input sets, median of ``--iters``; dispatch and combine timed separately;
+events, 4 rotating input sets, median of ``--iters`` (rank 0's, with every rank's kept beside it as
+``per_rank_us``); dispatch and combine timed separately;
 combine both from a fresh expert-output tensor ("hip_graph") and with the expert writing into the
 op's combine input buffer ("_zerocopy"); with the push combine the two are read alike.
 """

@@ -5,6 +5,7 @@ import importlib.util
 import json
 
 from conftest import REPO
+from ep_dist import run_distributed
 
 
 def _bench_module():
@@ -84,5 +85,4 @@ def _timed_job(rank, ws):
 
 
 def test_timed_gathers_every_ranks_medians():
-    from ep_dist import run_distributed
     run_distributed(_timed_job, 2, timeout=60)
