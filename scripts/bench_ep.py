@@ -189,6 +189,7 @@ PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDis
           ("disp: peers' done flags seen", Stamp.kStDispPeersDone, Stamp.kStDispStart),
           ("disp: end", Stamp.kStDispEnd, Stamp.kStDispStart),
           ("gap: disp end -> comb start", Stamp.kStCombStart, Stamp.kStDispEnd),
+          ("comb: block 0 may push", Stamp.kStCombFirstStore, Stamp.kStCombStart),
           ("comb: first range's rows all here", Stamp.kStCombFirstRange, Stamp.kStCombStart),
           ("comb: last sender done", Stamp.kStCombSent, Stamp.kStCombStart),
           ("comb: last summer saw its flags (low latency: rows)", Stamp.kStCombFlagsSeen, Stamp.kStCombStart),

@@ -548,6 +548,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     sender.Publish();
     __syncthreads();  // the acquire above, then the barrier, order every thread's stores below
     if constexpr (plat::kFenceEveryWave) plat::fence_system();
+    if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstStore);
     for (int q = blockIdx.x; q < numTasks; q = sender.Send(q)) {}
     if (threadIdx.x == 0) StampMax(args, kStCombSent, plat::now_ns());
   }

@@ -20,7 +20,7 @@ enum SyncWord : int { kDispEpoch = 0, kCombSendNext = 1, kCombSumNext = 3, kErrC
 // How far a done counter moves per epoch.
 enum FlagUnit : uint64_t { kDoneUnit = 0x100000 };
 // Phase-timestamp slots of the `stamps` region (globaltimer ns of the last call).
-enum Stamp : int { kStDispStart = 0, kStDispLoopDone = 1, kStDispCounted = 2, kStDispPeersDone = 3, kStDispEnd = 4, kStDispClaimed = 5, kStCombStart = 8, kStCombFirstRange = 9, kStCombSent = 10, kStCombSummed = 11, kStCombEnd = 12, kStCombFlagsSeen = 13 };
+enum Stamp : int { kStDispStart = 0, kStDispLoopDone = 1, kStDispCounted = 2, kStDispPeersDone = 3, kStDispEnd = 4, kStDispClaimed = 5, kStCombStart = 8, kStCombFirstRange = 9, kStCombSent = 10, kStCombSummed = 11, kStCombEnd = 12, kStCombFlagsSeen = 13, kStCombFirstStore = 14 };
 
 struct EpCfg {
   int worldSize = 8;

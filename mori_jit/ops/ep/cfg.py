@@ -148,6 +148,7 @@ class Stamp(CConst):
     kStCombSummed = 11  # the latest block's sums computed, before its last output stores (atomic max)
     kStCombEnd = 12  # the latest block's done counts sent (atomic max)
     kStCombFlagsSeen = 13  # the latest time a summer saw its range's flags (low latency: had its rows) (atomic max)
+    kStCombFirstStore = 14  # block 0 may push (past its wait for the peers' last combine; its first rows' loads issued)
 
 
 #: Words of the `stamps` region.
