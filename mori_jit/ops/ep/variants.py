@@ -11,8 +11,7 @@ import types
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from .cfg import (COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_BULK_SMEM, EpBulkSmemBytes, EpCfg, EpDType, EpRangeTok,
-                  make_ep_cfg)
+from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
 from .config import EpDispatchCombineConfig
 from .hip_tuning import (BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, Schedule, lookup,
                          schedule_from_buckets)
@@ -59,10 +58,11 @@ def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
     """Whether dispatch ``c`` (a bucket of at most ``max_tokens`` tokens) asks for the bulk-copy
     path (tuning: ``hip_tuning.BULK_DISPATCH_MIN_TOKENS``): rows go to peers (one rank copies only
     into its own memory, where the path measured slower), the arch has the unit, a block can own
-    that many tokens, and the stages fit in shared memory. A request: a ``MORI_V2_EP_*`` override wins."""
-    probe = types.SimpleNamespace(**{**vars(c), "bulkMinTokens": BULK_DISPATCH_MIN_TOKENS})  # (not validated)
+    that many tokens, and ``c`` stays valid with it (its stages fit in shared memory). A request: a
+    ``MORI_V2_EP_*`` override wins."""
+    probe = types.SimpleNamespace(**{**vars(c), "bulkMinTokens": BULK_DISPATCH_MIN_TOKENS})  # (EpCfg would raise)
     return (c.worldSize > 1 and has_bulk_copy(arch) and -(-max_tokens // c.blockNum) >= BULK_DISPATCH_MIN_TOKENS
-            and EpBulkSmemBytes(probe) <= EP_MAX_BULK_SMEM)
+            and EpIsValid(probe))
 
 
 def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool) -> Schedule:
