@@ -58,10 +58,20 @@ using CombWeight = std::conditional_t<kLow, uint64_t, float>;
 // and 177.8 µs at 4096 tokens (two benches each in one call, docs/PERF.md session 12; with a fixed
 // task stride instead of claims, session 6 measured 185.5, 180.5 and 181.7 for 6, 7 and 8).
 constexpr int kSenderShare = 8;
-MORI_DEVICE int CombSenders(int tasks) {
-  const int grid = int(gridDim.x);
-  return tasks <= grid ? grid : max(1, grid * kSenderShare / 16);
-}
+MORI_DEVICE int DedicatedSenders() { return max(1, int(gridDim.x) * kSenderShare / 16); }
+MORI_DEVICE int CombSenders(int tasks) { return tasks <= int(gridDim.x) ? int(gridDim.x) : DedicatedSenders(); }
+
+// What a sender block needs before its first store that no token count decides, loaded at the
+// kernel's start, all at once: the reverse-map entries of its first two tasks (lane < kRangeTok;
+// the second for the stride of dedicated senders, the usual case, since the stride itself waits
+// for the counts), the dispatch's epoch tag, and (lane < worldSize) the peers' combine-done counts.
+// Loaded one after another, as they once were, they were a chain of four memory latencies (HBM
+// misses at 4096 tokens, where the last combine's traffic has swept the L2) before the first push.
+struct SenderStart {
+  uint64_t entry[2] = {0, 0};
+  uint64_t done = 0;
+  uint32_t dispTag = 0;
+};
 
 // Sender: push the rows this rank's experts produced back to their tokens' home ranks, range by
 // range in token order (every rank walks the ranges in the same order, so the home rank's summers
@@ -82,9 +92,10 @@ struct SendPlan {
 };
 
 // A block's sender state: the current task's slots and first-pass rows (in registers), and the
-// slots of the task after it. A block's first two tasks are fixed (b and b + senders); later ones are
-// claimed from a counter, so blocks whose pushes run faster take more (with a fixed stride the first
-// and last sender ended 25 µs apart at 4096 tokens). Claims run well ahead of use: thread 0 issues
+// slots of the task after it. A block's first kFixed tasks are fixed (b, b + senders, ...: nothing
+// before its first push waits for the counter's atomic); later ones are claimed from a counter, so
+// blocks whose pushes run faster take more (with a fixed stride the first and last sender ended
+// 25 µs apart at 4096 tokens). Claims run well ahead of use: thread 0 issues
 // one at a task's barrier, publishes its value in shared memory at the next barrier, and every
 // thread reads it at the task after (no thread waits on the atomic).
 template <EpCfg kCfg>
@@ -103,41 +114,54 @@ struct Sender {
   const uint32_t dispTag;
   Slots cur;
   int nextTask, nextSlot;  // the task after the current one, and its slots
-  int pending;  // thread 0 only: the claim issued at the last barrier, published at the next
+  int pending;  // thread 0 only: the claim issued at the last barrier, published at the next, as an
+                // offset from kFixed * stride (so no instruction waits for the atomic before then)
   int* const claims;  // shared: published claims, double buffered (a barrier between write and read)
   int barriers = 0;
   vec16_t buf[P::kPerPass];
   float w[P::kWtsPer];
 
-  // first: FirstEntry(), issued by the caller before the token counts that decide `tasks` arrive.
-  MORI_DEVICE Sender(const EpArgs& a, uint64_t tgt, bool wts, int tasks, int senders, int* shared, uint64_t first)
+  // start: Start(), issued by the caller before the token counts that decide `tasks` arrive.
+  MORI_DEVICE Sender(const EpArgs& a, uint64_t tgt, bool wts, int tasks, int senders, int* shared, const SenderStart& start)
       : args(a), target(tgt), withWeights(wts), numTasks(tasks), stride(senders),
         numTok(XdbFlags(a, a.rank, kXdbNumTok)), srcToRecv(At<uint64_t>(a, a.rank, a.off_src_to_recv)),
-        dispTag(uint32_t(SyncWords(a)[kDispEpoch])), claims(shared) {
-    if (threadIdx.x == 0) pending = Claim();
-    cur = Spread(Decode(blockIdx.x, first));
+        dispTag(start.dispTag), claims(shared) {
+    if (threadIdx.x == 0) pending = int(blockIdx.x) - stride;  // published as b + (kFixed - 1) * stride
+    cur = Spread(Decode(blockIdx.x, start.entry[0]));
     // The first task's rows before the second task's entry is decoded (the combine-done wait guards
-    // only the stores): the start's chain of dependent loads is the counts, then the rows.
+    // only the stores): the start's chain of dependent loads is SenderStart's, then the rows.
     LoadPass(0);
     nextTask = blockIdx.x + stride;
-    nextSlot = TaskSlot(nextTask);
+    nextSlot = stride == DedicatedSenders() ? Decode(nextTask, start.entry[1]) : TaskSlot(nextTask);
   }
-  // The reverse-map entry of this block's first task (lane < kRangeTok), loaded with no dependence
-  // on the token counts: every address it may form lies inside the map.
-  MORI_DEVICE static uint64_t FirstEntry(const EpArgs& a) {
-    const int lane = plat::lane_id(), q = int(blockIdx.x), t = q / kDests * kRangeTok<kCfg> + lane;
+  // The reverse-map entry of task q's lane (lane < kRangeTok), loaded with no dependence on the
+  // token counts: every address it may form lies inside the map.
+  MORI_DEVICE static uint64_t EntryOf(const EpArgs& a, int q) {
+    const int lane = plat::lane_id(), t = q / kDests * kRangeTok<kCfg> + lane;
     if (lane >= kRangeTok<kCfg> || t >= kM) return 0;
     return At<uint64_t>(a, a.rank, a.off_src_to_recv)[DestOf(a.rank, q) * kM + t];
   }
-  // A task index past the fixed ones (numTasks, i.e. none, when the fixed ones cover every task).
+  // SenderStart's loads, by every thread of every block (only senders use them).
+  MORI_DEVICE static SenderStart Start(const EpArgs& a) {
+    SenderStart s;
+    s.entry[0] = EntryOf(a, int(blockIdx.x));
+    s.entry[1] = EntryOf(a, int(blockIdx.x) + DedicatedSenders());
+    s.dispTag = uint32_t(SyncWords(a)[kDispEpoch]);
+    if (int(threadIdx.x) < kWs && int(threadIdx.x) != a.rank)  // (relaxed: see the wait before the first push)
+      s.done = plat::load_relaxed_system(XdbFlags(a, a.rank, kXdbCombine) + threadIdx.x);
+    return s;
+  }
+  // A block's first kFixed tasks are b, b + stride, ...; Claim() gives one past them, as an offset
+  // from kFixed * stride (numTasks, i.e. none, when the fixed ones cover every task).
+  static constexpr int kFixed = 3;
   MORI_DEVICE int Claim() const {
-    if (numTasks <= 2 * stride) return numTasks;
-    return 2 * stride + int(plat::atomic_add_device(Claims(SyncWords(args), kCombSendNext, int(target & 1)), 1u));
+    if (numTasks <= kFixed * stride) return numTasks;
+    return int(plat::atomic_add_device(Claims(SyncWords(args), kCombSendNext, int(target & 1)), 1u));
   }
   // Thread 0, before each of the block's barriers: publish the last claim, issue the next.
   MORI_DEVICE void Publish() {
     if (threadIdx.x != 0) return;
-    claims[barriers & 1] = min(pending, numTasks);
+    claims[barriers & 1] = min(kFixed * stride + pending, numTasks);
     pending = Claim();
   }
   // The task after next (every thread; published at the last barrier). Call once per barrier.
@@ -514,35 +538,38 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   constexpr int kWs = kCfg.worldSize;
   const int rank = args.rank;
   uint64_t* sync = SyncWords(args);
-  const uint64_t target = CombEpoch(args) + 1;
-  const int parity = int(target & 1);
   // Every rank passes weights, or none does: a rank with n = 0 (possibly null y_w) still sends its
   // rows' weights to their home ranks.
   const bool sendWeights = kCfg.useWeights && args.inpWeights != nullptr;
   const bool sumWeights = sendWeights && args.outWeights != nullptr;
+  // Block 0's count of the rows this rank received, checked against the input at its end (finish),
+  // where it also resets the next combine's claim counters: nothing at the start waits for a load
+  // but the loads every block's first push needs, issued together (SenderStart).
+  int total = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     StampAt(args, kStCombStart);
-    // The next combine's claim counters: the last combine that used them is done (stream order).
-    *ClaimWord(sync, kCombSendNext, parity ^ 1) = 0;
-    *ClaimWord(sync, kCombSumNext, parity ^ 1) = 0;
-    const int total = *At<int>(args, rank, args.off_total_recv);
-    if (total > args.inpRows)  // the rows beyond the caller's tensor are skipped; tell the host
-      RecordError(args, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(args.inpRows));
+    total = *At<int>(args, rank, args.off_total_recv);
   }
 
-  const uint64_t firstEntry = kWs > 1 ? Sender<kCfg>::FirstEntry(args) : 0;  // in flight with the counts
+  const SenderStart start = kWs > 1 ? Sender<kCfg>::Start(args) : SenderStart{};  // in flight with the counts
   const uint64_t* numTok = XdbFlags(args, rank, kXdbNumTok);  // each peer's dispatch n (its ranges)
   int maxRanges = 0;
 #pragma unroll
   for (int d = 0; d < kWs; ++d)
     if (d != rank) maxRanges = max(maxRanges, NumRanges<kCfg>(int(numTok[d])));
   // (maxRanges is 0 on one rank: no peers)
+  const uint64_t target = CombEpoch(args) + 1;  // (read after the loads above are issued: none waits for it)
+  const int parity = int(target & 1);
   const int numTasks = maxRanges * Sender<kCfg>::kDests, senders = CombSenders(numTasks), grid = int(gridDim.x);
   if (kWs > 1 && int(blockIdx.x) < senders && int(blockIdx.x) < numTasks) {  // one rank: no senders
     __shared__ int sendClaims[2];
-    Sender<kCfg> sender(args, target, sendWeights, numTasks, senders, sendClaims, firstEntry);
-    // Before the first store: comb_recv on a peer is free once its previous combine is done.
-    if (threadIdx.x < kWs && threadIdx.x != rank)
+    Sender<kCfg> sender(args, target, sendWeights, numTasks, senders, sendClaims, start);
+    // Before the first store: comb_recv on a peer is free once its previous combine is done. The
+    // count read at the start usually says so already; then no acquire load follows it (one more
+    // memory latency before the first push). The stores below depend on that read's value, and no
+    // GPU performs a store before the load that decides it returns; the peer counted only after
+    // its reads of comb_recv were done (FenceBlockLocalDevice), as NCCL returns a receive credit.
+    if (threadIdx.x < kWs && threadIdx.x != rank && start.done < (target - 1) * kDoneUnit)
       WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, (target - 1) * kDoneUnit, kWaitCombineDone,
                   threadIdx.x);
     sender.Publish();
@@ -563,6 +590,13 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     const uint64_t summed = plat::now_ns();
     FenceBlockLocalDevice();  // every load (and empty-word store) of this block, before the counts
     if (threadIdx.x != 0) return;
+    if (blockIdx.x == 0) {
+      // The next combine's claim counters: the last combine that used them is done (stream order).
+      *ClaimWord(sync, kCombSendNext, parity ^ 1) = 0;
+      *ClaimWord(sync, kCombSumNext, parity ^ 1) = 0;
+      if (total > args.inpRows)  // rows beyond the caller's tensor were skipped: tell the host
+        RecordError(args, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(args.inpRows));
+    }
     const uint64_t share = BlockShare();
     for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbCombine) + rank, share);
     if (seen) {  // (after the counts: the fence before them would wait for these atomics)
