@@ -110,7 +110,6 @@ struct Sender {
   const bool withWeights;
   const int numTasks, stride;
   const uint64_t* numTok;  // each peer's dispatch n (its ranges)
-  const uint64_t* srcToRecv;
   const uint32_t dispTag;
   Slots cur;
   int nextTask, nextSlot;  // the task after the current one, and its slots
@@ -124,8 +123,7 @@ struct Sender {
   // start: Start(), issued by the caller before the token counts that decide `tasks` arrive.
   MORI_DEVICE Sender(const EpArgs& a, uint64_t tgt, bool wts, int tasks, int senders, int* shared, const SenderStart& start)
       : args(a), target(tgt), withWeights(wts), numTasks(tasks), stride(senders),
-        numTok(XdbFlags(a, a.rank, kXdbNumTok)), srcToRecv(At<uint64_t>(a, a.rank, a.off_src_to_recv)),
-        dispTag(start.dispTag), claims(shared) {
+        numTok(XdbFlags(a, a.rank, kXdbNumTok)), dispTag(start.dispTag), claims(shared) {
     if (threadIdx.x == 0) pending = int(blockIdx.x) - stride;  // published as b + (kFixed - 1) * stride
     cur = Spread(Decode(blockIdx.x, start.entry[0]));
     // The first task's rows before the second task's entry is decoded (the combine-done wait guards
@@ -173,11 +171,7 @@ struct Sender {
   // (this rank's host is told by block 0, the peer by the range flag). Loaded two tasks ahead and
   // decoded at once: the wave waits for the load here, but deferring the decode a task (lead E)
   // measured no faster (PERF.md session 12).
-  MORI_DEVICE int TaskSlot(int q) const {
-    const int lane = plat::lane_id(), t = q / kDests * kRangeTok<kCfg> + lane;
-    if (lane >= kRangeTok<kCfg> || q >= numTasks || t >= kM) return -1;
-    return Decode(q, srcToRecv[Dest(q) * kM + t]);  // issued without waiting for numTok: both are loads
-  }
+  MORI_DEVICE int TaskSlot(int q) const { return q < numTasks ? Decode(q, EntryOf(args, q)) : -1; }
   // TaskSlot's answer from the entry e of task q's lane.
   MORI_DEVICE int Decode(int q, uint64_t e) const {
     const int lane = plat::lane_id(), d = Dest(q), t = q / kDests * kRangeTok<kCfg> + lane;
