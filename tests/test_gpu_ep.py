@@ -238,10 +238,12 @@ def _combine_inputs_job(rank, ws):
     gen = torch.Generator().manual_seed(31 + rank)
     dev = torch.device("cuda", rank)
     hidden, k = 2048, 8
-    # m = 40: low latency (the default there), then range flags; 1100: range flags (the default),
-    # then low latency with dedicated senders and claimed sums
-    for m, low in ((40, None), (40, False), (1100, None), (1100, True)):
-        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency=low), None) as op:
+    # m = 40: low latency (the default there), then range flags, then range flags on 4 blocks (2
+    # dedicated senders claim 20 tasks, so a peer's short input reaches claimed tasks too); 1100:
+    # range flags (the default), then low latency with dedicated senders and claimed sums
+    for m, low, pins in ((40, None, {}), (40, False, {}), (40, False, {"combine_block_num": 4}), (1100, None, {}),
+                         (1100, True, {})):
+        with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency=low, **pins), None) as op:
             cfg = op.cfg
             stage = op.get_combine_input_buffer()
             # one buffer for the op's life, outside the symmetric arena (only this rank reads it)
