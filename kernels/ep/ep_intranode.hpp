@@ -40,10 +40,11 @@
 // blocks send (each claims its tasks after its first three from a counter, in order) while the rest
 // sum, and senders join the summing when their pushes are done; otherwise every block sends its
 // task, then sums. Before its first store, a sender waits until the peer has finished its previous
-// combine (the peer's count, read with the rest of the sender's start, usually says so). A block counts itself done as soon as its last loads are in registers, before its last
-// output stores: its share of kDoneUnit goes to its rank's combine-done counter on every rank (what
-// the peers' next dispatch and combine wait for; the rank's own counts its combine epochs); no
-// block waits for another, and none for the output stores to drain. The claim counters come in
+// combine (the peer's count, read with the rest of the sender's start, usually says so). A block
+// counts itself done as soon as its last loads are in registers, before its last output stores:
+// its share of kDoneUnit goes to its rank's combine-done counter on every rank (what the peers'
+// next dispatch and combine wait for; the rank's own counts its combine epochs); no block waits
+// for another, and none for the output stores to drain. The claim counters come in
 // pairs by epoch parity: a combine's block 0 resets the next one's at its end.
 //
 // Low-latency combine (Cfg lowLatency, the op's choice: on by default for ops of at most 256 tokens
