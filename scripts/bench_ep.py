@@ -321,7 +321,10 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 res["graph_floor_us"] = f_us
                 # host overhead of the Python calls (GPU work queued asynchronously)
                 dist.barrier()
-                hd, hc, ho = [], [], []
+                # ha: one torch.empty of an output's size (combine makes two, y and y_w), timed in the
+                # same iterations: the device VM's host speed drifts by up to 2x between phases of
+                # seconds (docs/PERF.md, session 23), and this is the phase's reference
+                hd, hc, ho, ha = [], [], [], []
                 y_out = torch.empty(n, args.hidden, dtype=comb_t, device=dev)
                 y_w_out = torch.empty(n, args.k, dtype=torch.float32, device=dev)
                 for i in range(400):  # alternate: combine allocating its outputs / into the caller's (out=)
@@ -333,13 +336,11 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                     else:
                         op.combine(staging_src, weights=r[1], routing=r[5])
                     t2 = time.perf_counter()
-                    hd.append((t1 - t0) * 1e6), (ho if i % 2 else hc).append((t2 - t1) * 1e6)
-                torch.cuda.synchronize()
-                ha = []  # one output allocation, as combine makes two (y and y_w)
-                for _ in range(200):
-                    t0 = time.perf_counter()
                     torch.empty((n, args.hidden), dtype=comb_t, device=dev)
-                    ha.append((time.perf_counter() - t0) * 1e6)
+                    t3 = time.perf_counter()
+                    hd.append((t1 - t0) * 1e6), ha.append((t3 - t2) * 1e6)
+                    (ho if i % 2 else hc).append((t2 - t1) * 1e6)
+                torch.cuda.synchronize()
                 res["host_overhead_us"] = {"dispatch": statistics.median(hd), "combine": statistics.median(hc),
                                            "combine_out": statistics.median(ho),
                                            "torch_empty": statistics.median(ha)}
