@@ -321,9 +321,10 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 res["graph_floor_us"] = f_us
                 # host overhead of the Python calls (GPU work queued asynchronously)
                 dist.barrier()
-                # ha: one torch.empty of an output's size (combine makes two, y and y_w), timed in the
-                # same iterations: the device VM's host speed drifts by up to 2x between phases of
-                # seconds (docs/PERF.md, session 23), and this is the phase's reference
+                # ha: one torch.empty of an output's size (combine makes two, y and y_w), the phase's
+                # reference: the device VM's host speed drifts by up to 2x between phases of seconds
+                # (docs/PERF.md, session 23), so it is timed in short blocks between the calls' blocks
+                # (milliseconds apart), not inside their iterations (which it would perturb)
                 hd, hc, ho, ha = [], [], [], []
                 y_out = torch.empty(n, args.hidden, dtype=comb_t, device=dev)
                 y_w_out = torch.empty(n, args.k, dtype=torch.float32, device=dev)
@@ -336,10 +337,12 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                     else:
                         op.combine(staging_src, weights=r[1], routing=r[5])
                     t2 = time.perf_counter()
-                    torch.empty((n, args.hidden), dtype=comb_t, device=dev)
-                    t3 = time.perf_counter()
-                    hd.append((t1 - t0) * 1e6), ha.append((t3 - t2) * 1e6)
-                    (ho if i % 2 else hc).append((t2 - t1) * 1e6)
+                    hd.append((t1 - t0) * 1e6), (ho if i % 2 else hc).append((t2 - t1) * 1e6)
+                    if i % 50 == 49:
+                        for _ in range(25):
+                            t0 = time.perf_counter()
+                            torch.empty((n, args.hidden), dtype=comb_t, device=dev)
+                            ha.append((time.perf_counter() - t0) * 1e6)
                 torch.cuda.synchronize()
                 res["host_overhead_us"] = {"dispatch": statistics.median(hd), "combine": statistics.median(hc),
                                            "combine_out": statistics.median(ho),
