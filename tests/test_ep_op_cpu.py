@@ -2,6 +2,8 @@
 config errors, the tuning lookup, and EpCfg construction."""
 from __future__ import annotations
 
+import dataclasses
+import re
 
 import pytest
 import torch
@@ -196,17 +198,52 @@ def test_tuning_lookup_merges_misaligned_edges_and_clamps(monkeypatch):
 def test_variants_follow_schedule_and_pins():
     cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=4096,
                                   num_experts_per_rank=128, num_experts_per_token=8, data_type=torch.bfloat16,
-                                  schedule=[(128, 16, 8, 8, 8), (None, 132, 16, 200, 8)])
+                                  schedule=[(128, 16, 8, 8, 8), (None, 132, 16, 120, 8)])
     v = ep_variants(cfg, "sm_90a", 132)
     assert [(c.blockNum, c.warpPerBlock) for c in v.dispatch] == [(16, 8), (132, 16)]
-    assert [(c.blockNum, c.warpPerBlock) for c in v.combine] == [(8, 8), (132, 8)]
+    assert [(c.blockNum, c.warpPerBlock) for c in v.combine] == [(8, 8), (120, 8)]
     assert all(c.dtype == EpDType.Bf16 and c.waveSize == 32 and c.maxTokPerRank == 4096 for c in v.dispatch)
     pinned = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64,
-                                     num_experts_per_rank=8, num_experts_per_token=8, dispatch_block_num=500,
+                                     num_experts_per_rank=8, num_experts_per_token=8, dispatch_block_num=300,
                                      warp_num_per_block=4)
     v = ep_variants(pinned, "gfx942", 304)
-    assert [(c.blockNum, c.warpPerBlock, c.waveSize) for c in v.dispatch] == [(304, 4, 64)]
+    assert [(c.blockNum, c.warpPerBlock, c.waveSize) for c in v.dispatch] == [(300, 4, 64)]
     assert len(v.all_cfgs()) == 2
+
+
+@pytest.mark.parametrize("field,pins", [
+    ("dispatch_block_num", {"dispatch_block_num": 133}),
+    ("combine_block_num", {"combine_block_num": 200}),
+    ("schedule bucket (None, 16, 8, 140, 8) combine blocks", {"schedule": [(None, 16, 8, 140, 8)]}),
+])
+def test_a_pin_beyond_the_device_is_refused_naming_it(field, pins):
+    cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, max_num_inp_token_per_rank=64,
+                                  num_experts_per_rank=8, num_experts_per_token=8, **pins)
+    with pytest.raises(ConfigError, match=re.escape(field) + r"=\d+ exceeds 132, the 132 CUs/SMs of the device"):
+        ep_variants(cfg, "sm_90a", 132)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_ranks_on_one_device_share_its_sms(ranks):
+    """Every rank sizes its grids to its share of the SMs, so all grids are resident together."""
+    share = 132 // ranks
+    for m in (32, 128, 4096):  # low latency one-token ranges (every SM of the share), tuned buckets
+        cfg = EpDispatchCombineConfig(rank=0, world_size=8, hidden_dim=7168, max_num_inp_token_per_rank=m,
+                                      num_experts_per_rank=32, num_experts_per_token=8)
+        v = ep_variants(cfg, "sm_90a", 132, ranks)
+        blocks = [c.blockNum for c in v.dispatch + v.combine]
+        assert max(blocks) <= share and ranks * max(blocks) <= 132, (m, blocks)
+        if ranks == 1:
+            assert max(blocks) > 132 // 2, (m, blocks)  # a lone rank still takes most of the device
+    # a pin that fits one rank alone but not its share of a shared device is refused, naming why
+    pinned = EpDispatchCombineConfig(rank=0, world_size=8, hidden_dim=7168, max_num_inp_token_per_rank=64,
+                                     num_experts_per_rank=32, num_experts_per_token=8, combine_block_num=share + 1)
+    if ranks > 1:
+        with pytest.raises(ConfigError, match=rf"combine_block_num={share + 1} exceeds {share}, this rank's share "
+                                              rf"of the 132 CUs/SMs of a device that {ranks} ranks share"):
+            ep_variants(pinned, "sm_90a", 132, ranks)
+    assert {c.blockNum for c in ep_variants(dataclasses.replace(pinned, combine_block_num=share), "sm_90a", 132,
+                                            ranks).combine} == {share}
 
 
 def test_low_latency_is_the_ops_choice_and_reaches_the_combine_leg_only():
@@ -330,7 +367,7 @@ def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):
                                   num_experts_per_rank=8, num_experts_per_token=8)
     assert max(c.blockNum for c in ep_variants(cfg, "sm_90a", 132).combine) <= 132
     monkeypatch.setenv("MORI_V2_EP_COMBINE_BLOCK_NUM", "200")
-    with pytest.raises(ConfigError, match="combine blockNum=200 exceeds the 132"):
+    with pytest.raises(ConfigError, match="combine blockNum=200 exceeds 132, the 132 CUs/SMs"):
         ep_variants(cfg, "sm_90a", 132)
     monkeypatch.delenv("MORI_V2_EP_COMBINE_BLOCK_NUM")
     monkeypatch.setenv("MORI_V2_EP_COMBINE_LOW_LATENCY", "0")  # it sizes regions: the config says it

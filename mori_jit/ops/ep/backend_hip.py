@@ -79,6 +79,19 @@ def decode_error(words: list[int], rank: int) -> str:
     return f"unknown device error code {code:#x} (detail {detail:#x})"
 
 
+def _weights_ptr(t: Optional[torch.Tensor], given: int) -> int:
+    """The kernels' pointer for an optional weights tensor: 0 for None, its data otherwise.
+
+    A null pointer tells the kernels "no weights" (the combine then neither sends nor sums them).
+    A tensor with no rows is still weights given, but torch reports ``data_ptr() == 0`` for every
+    empty tensor, so it passes ``given``, a valid device address the kernels never dereference
+    (there are no rows to read or write): a rank that received no rows still sends nothing and
+    sums its own tokens' weights from the peers."""
+    if t is None:
+        return 0
+    return t.data_ptr() or given
+
+
 class CombineOutputs:
     """Fresh combine outputs on ``device``: ``y(n)`` ``[n, hidden]`` of the combine dtype, ``w(n)``
     ``[n, k]`` float32, allocated with the least host time. ``torch.empty_like`` of a zero-stride
@@ -131,7 +144,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         self._toolchain = get_toolchain()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self._num_cus = props.multi_processor_count
-        self._variants = ep_variants(cfg, self._toolchain.arch, self._num_cus)
+        self._variants = ep_variants(cfg, self._toolchain.arch, self._num_cus, self.ranks_per_device)
         return region_bytes(self._variants.dispatch[0], self._variants.combine[0])
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
@@ -143,7 +156,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             torch.cuda.synchronize(dev)
             dist.barrier(group=self.group)
         # every variant is compiled and loaded here, before the first _pick (precompile walks the same list)
-        requests = plan_requests(cfg, tc.arch, self._num_cus)
+        requests = plan_requests(cfg, tc.arch, self._num_cus, self.ranks_per_device)
         build_many(requests, tc)  # misses compile in parallel; loading stays on this thread (its context)
         plans = {(spec.kind, c): prepare(spec, c, tc, dev) for spec, c in requests}
         disp_plans = [plans[(DISPATCH, c)] for c in var.dispatch]
@@ -173,9 +186,11 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         stage = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
         op_id = id(self)
 
+        given = arena.tensor.data_ptr()  # (see _weights_ptr)
+
         def dispatch(v, x, weights, scales, indices):
             dargs.inpTok = x.data_ptr()
-            dargs.inpWeights = weights.data_ptr() if weights is not None else 0
+            dargs.inpWeights = _weights_ptr(weights, given)
             dargs.inpIndices = indices.data_ptr()
             dargs.numTokens = x.shape[0]
             disp_launch[v]()
@@ -192,9 +207,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             if y_w is None and weights is not None:
                 y_w = new_outputs.w(n)
             cargs.inpTok = inp.data_ptr()
-            cargs.inpWeights = weights.data_ptr() if weights is not None else 0
+            cargs.inpWeights = _weights_ptr(weights, given)
             cargs.outTok = y.data_ptr()
-            cargs.outWeights = y_w.data_ptr() if y_w is not None else 0
+            cargs.outWeights = _weights_ptr(y_w, given)
             cargs.numTokens = n
             cargs.inpRows = inp.shape[0]
             comb_launch[v]()

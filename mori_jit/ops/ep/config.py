@@ -13,6 +13,8 @@ import torch
 
 from mori_jit.jit import knobs
 
+from .peers import SYMM_MEMORY_KINDS
+
 __all__ = ["EpDispatchCombineConfig", "DISPATCH_DTYPES", "COMBINE_DTYPES", "BACKENDS", "DEFAULT_BACKEND"]
 
 #: dtypes each leg can carry (fp8/fp4 are moved as bytes; only bf16/fp32 can be summed)
@@ -48,6 +50,9 @@ class EpDispatchCombineConfig:
     ones; ``None`` turns it on when ``max_num_inp_token_per_rank`` is at most the backend's
     threshold (an op sized for decode batches), like DeepEP's separate low-latency mode, on NVIDIA
     GPUs (where it was measured; on AMD it is built only when asked for).
+    ``symm_memory``: what backs the symmetric arena: ``"torch"`` (torch symmetric memory),
+    ``"ipc"`` (CUDA/HIP IPC handles of a plain allocation, one host), or ``"auto"``: torch unless
+    ranks share a device (which torch symmetric memory refuses) or it is unusable, then ipc.
     """
 
     rank: int
@@ -72,6 +77,7 @@ class EpDispatchCombineConfig:
     gpu_per_node: int = 8
     kernel_backend: Optional[str] = None
     combine_low_latency: Optional[bool] = None
+    symm_memory: str = "auto"
 
     def __post_init__(self):
         _int("world_size", self.world_size, 1)
@@ -102,6 +108,8 @@ class EpDispatchCombineConfig:
             raise ValueError(f"EpDispatchCombineConfig.max_total_recv_tokens={self.max_total_recv_tokens}: must be 0 or "
                              f">= world_size*max_num_inp_token_per_rank = "
                              f"{self.world_size * self.max_num_inp_token_per_rank} (the worst case)")
+        if self.symm_memory not in SYMM_MEMORY_KINDS:
+            raise ValueError(f"EpDispatchCombineConfig.symm_memory={self.symm_memory!r}: allowed {SYMM_MEMORY_KINDS}")
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
             raise ValueError(f"EpDispatchCombineConfig.kernel_backend={self.kernel_backend!r}: allowed {BACKENDS}")
         if self.schedule is not None:

@@ -6,7 +6,8 @@ supplies three things: ``_regions(cfg)`` (arena region sizes; empty = no arena),
 Behaviour differences are data on the KernelSet, not overrides. ``EpDispatchCombineOp(cfg, group)``
 returns the backend's subclass, importing only that backend.
 
-Order (DESIGN §6): process group → capability gate → arena → every variant compiled → launches.
+Order (DESIGN §6): process group → capability gate → rank cards (configs compared, ranks per device,
+memory kind) → arena → every variant compiled → launches.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from .arena import SymmArena
 from .config import EpDispatchCombineConfig
+from .peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
 from .hip_tuning import Schedule
 
 __all__ = ["EpDispatchCombineOp", "KernelSet", "EpUnsupportedError", "EpDeviceError"]
@@ -169,8 +171,17 @@ class EpDispatchCombineOp(abc.ABC):
         if missing:  # before any allocation
             raise EpUnsupportedError(f"backend {type(self).__name__} does not support: {'; '.join(missing)}")
         self.device = self._device(cfg)
+        # One collective tells every rank the others' host, device and config, so each decision
+        # below is the same on every rank (a mismatch raises on all of them, none hangs).
+        cards = gather_cards(self.group, RankCard.local(rank, self.device, cfg))
+        mismatch = config_mismatch(cards)
+        if mismatch:
+            raise ValueError(mismatch)
+        #: ranks of the group on this rank's GPU (this one included); they share its SMs/CUs
+        self.ranks_per_device = ranks_sharing_device(cards, rank)
         regions = self._regions(cfg)
-        self.arena = SymmArena.create(regions, self.group, self.device) if regions else None
+        self.memory_kind = memory_kind(cfg.symm_memory, cards) if regions else None
+        self.arena = SymmArena.create(regions, self.group, self.device, self.memory_kind) if regions else None
         self._arena_span = _span(self.arena.tensor if self.arena is not None else None)
         self._kernels = self._build_kernels(cfg, self.arena)
         # What every call reads, resolved once: the config's properties cost a Python call each,
@@ -182,7 +193,9 @@ class EpDispatchCombineOp(abc.ABC):
         self._closed = False
 
     def close(self) -> None:
-        """Release the arena and the kernels' state (idempotent)."""
+        """Collective: release the arena and the kernels' state (idempotent). Every rank calls it
+        (the context manager does): with IPC memory a rank frees its block only after every peer
+        has unmapped it."""
         if getattr(self, "_closed", True):
             return
         self._closed = True

@@ -65,27 +65,55 @@ def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
             and EpIsValid(probe))
 
 
-def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool) -> Schedule:
+def _grid_budget(num_cus: int, ranks_per_device: int) -> int:
+    """The blocks one rank's grid may have: its share of the device's CUs/SMs. Ranks that share a
+    device spin-wait on each other, so every rank's grid must be resident beside the others'."""
+    return max(1, num_cus // ranks_per_device)
+
+
+def _check_pin(what: str, blocks: int, budget: int, num_cus: int, ranks_per_device: int, hint: str = "") -> None:
+    if blocks > budget:
+        share = (f"this rank's share of the {num_cus} CUs/SMs of a device that {ranks_per_device} ranks share"
+                 if ranks_per_device > 1 else f"the {num_cus} CUs/SMs of the device")
+        raise ConfigError(f"{what}={blocks} exceeds {budget}, {share}: the kernels wait on their peers, so every "
+                          f"block of every rank must be resident at once; pin at most {budget} (or leave it unset){hint}")
+
+
+def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool,
+              ranks_per_device: int = 1) -> Schedule:
+    budget = _grid_budget(num_cus, ranks_per_device)
+    check = lambda what, blocks: _check_pin(what, blocks, budget, num_cus, ranks_per_device)  # noqa: E731
     if cfg.schedule is not None:
+        for b in cfg.schedule:
+            check(f"schedule bucket {tuple(b)!r} dispatch blocks", b[1])
+            check(f"schedule bucket {tuple(b)!r} combine blocks", b[3])
         disp = [(b[0], b[1], b[2]) for b in cfg.schedule]
         comb = [(b[0], b[3], b[4]) for b in cfg.schedule]
-        return schedule_from_buckets(disp, comb, num_cus)
+        return schedule_from_buckets(disp, comb, budget)
+    for field in ("dispatch_block_num", "combine_block_num"):
+        if getattr(cfg, field) is not None:
+            check(field, getattr(cfg, field))
     base = lookup(ep_dtype(cfg.dispatch_dtype).name.lower(), cfg.world_size, cfg.hidden_dim,
-                  cfg.num_experts_per_token, cfg.num_experts_per_rank, num_cus,
+                  cfg.num_experts_per_token, cfg.num_experts_per_rank, budget,
                   max_warps=EP_MAX_BLOCK_THREADS // wave_size_for_arch(arch))
     comb_blocks = cfg.combine_block_num
-    if comb_blocks is None and low_latency and _one_token_ranges(cfg, num_cus, arch):
-        comb_blocks = num_cus  # every SM
-    pin = lambda geo, blocks, warps: (min(blocks, num_cus) if blocks else geo[0], warps or geo[1])  # noqa: E731
+    if comb_blocks is None and low_latency and _one_token_ranges(cfg, budget, arch):
+        comb_blocks = budget  # every SM of the share
+    pin = lambda geo, blocks, warps: (blocks or geo[0], warps or geo[1])  # noqa: E731
     return Schedule(base.edges,
                     tuple(pin(g, cfg.dispatch_block_num, cfg.warp_num_per_block) for g in base.dispatch),
                     tuple(pin(g, comb_blocks, cfg.combine_warp_num_per_block) for g in base.combine))
 
 
-def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVariants:
-    """Every EpCfg the op for ``cfg`` on ``arch`` (with ``num_cus`` CUs/SMs) launches, by bucket."""
+def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per_device: int = 1) -> EpVariants:
+    """Every EpCfg the op for ``cfg`` on ``arch`` launches, by bucket, on a device of ``num_cus``
+    CUs/SMs that ``ranks_per_device`` ranks of the group share (each sizes its grids to its share).
+    A geometry pin beyond the share raises ConfigError."""
+    if ranks_per_device < 1:
+        raise ConfigError(f"ranks_per_device={ranks_per_device}: expected >= 1")
     low = combine_low_latency(cfg, arch)
-    sched = _schedule(cfg, num_cus, arch, low)
+    sched = _schedule(cfg, num_cus, arch, low, ranks_per_device)
+    budget = _grid_budget(num_cus, ranks_per_device)
     common = {"worldSize": cfg.world_size, "hiddenDim": cfg.hidden_dim, "maxTokPerRank": cfg.max_num_inp_token_per_rank,
               "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
               "maxRecv": cfg.max_total_recv_tokens}
@@ -106,9 +134,7 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> EpVari
 
     comb = tuple(combine(geo) for geo in sched.combine)
     for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
-        if c.blockNum > num_cus:
-            raise ConfigError(f"combine blockNum={c.blockNum} exceeds the {num_cus} CUs/SMs of the device: its "
-                              f"cross-device barrier needs every block resident (check MORI_V2_EP_*BLOCK_NUM)")
+        _check_pin("combine blockNum", c.blockNum, budget, num_cus, ranks_per_device, "; check MORI_V2_EP_*BLOCK_NUM")
         if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
             raise ConfigError(f"combine lowLatency={c.lowLatency} from MORI_V2_EP_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")
@@ -127,11 +153,11 @@ def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
     return vendor_of(arch) == "nvidia" and cfg.max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS
 
 
-def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int) -> list[tuple]:
+def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per_device: int = 1) -> list[tuple]:
     """The ``(spec, EpCfg)`` pairs a live ``hip`` op prepares, in order, without duplicates."""
     from .specs import EP_COMBINE, EP_DISPATCH
     spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE}
-    return [(spec[kind], c) for kind, c in ep_variants(cfg, arch, num_cus).all_cfgs()]
+    return [(spec[kind], c) for kind, c in ep_variants(cfg, arch, num_cus, ranks_per_device).all_cfgs()]
 
 
 def _dtype_from_string(value: str):

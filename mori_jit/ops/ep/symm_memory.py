@@ -1,0 +1,131 @@
+"""Where the symmetric arena's memory comes from: one block per rank, every rank's base known.
+
+Two providers, chosen by ``EpDispatchCombineConfig.symm_memory`` (see :func:`.peers.memory_kind`):
+
+* :class:`TorchSymmMemProvider`: torch symmetric memory (``empty`` + ``rendezvous``; multicast off).
+  It refuses ranks that share a device.
+* :class:`IpcMemoryProvider`: a plain device allocation per rank, opened by every peer through
+  torch's own storage sharing (``_share_cuda_`` on the owner, ``_new_shared_cuda`` on each peer;
+  CUDA IPC on NVIDIA, HIP IPC on ROCm), the handles exchanged with ``all_gather_object`` over the
+  op's group (gloo included). Works for ranks on one device and for ranks on P2P-connected devices
+  of one host.
+
+Lifetime: :meth:`MemoryProvider.release` is collective. A rank first drops its mappings of the
+peers' blocks, then waits for the group, then frees its own block: no owner frees memory a peer
+still maps, and torch's IPC bookkeeping finds every block released (no "producer terminated"
+warning at exit).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MemoryProvider", "TorchSymmMemProvider", "IpcMemoryProvider", "make_provider"]
+
+
+class MemoryProvider(Protocol):
+    """Allocates ``nbytes`` of symmetric device memory; returns the local tensor and every rank's base."""
+
+    kind: str
+
+    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
+        """Collective: ``nbytes`` on ``device`` for every rank of ``group``; the local uint8 tensor
+        and each rank's base address of its block (this rank's is the tensor's ``data_ptr``)."""
+        ...
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Collective: drop the peers' mappings, then (after the group) this rank's block. No kernel
+        may still use the memory."""
+        ...
+
+
+class TorchSymmMemProvider:
+    """torch symmetric memory (``empty`` + ``rendezvous``), multicast left off."""
+
+    kind = "torch"
+
+    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = group or dist.group.WORLD
+        name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op after
+            try:
+                symm_mem.enable_symm_mem_for_group(name)
+            except Exception:  # noqa: BLE001 - deprecated paths may warn or raise once enabled
+                pass
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buf, name)
+        ptrs = [int(p) for p in handle.buffer_ptrs]
+        rank = dist.get_rank(group)
+        # torch >= 2.10 may sub-allocate: the tensor can start inside the rendezvous'd block.
+        delta = buf.data_ptr() - ptrs[rank]
+        if delta:
+            ptrs = [p + delta for p in ptrs]
+        self._handle = handle  # keep the mapping alive as long as the tensor
+        return buf, ptrs
+
+    def release(self, tensor: torch.Tensor) -> None:
+        self._handle = None
+
+
+class IpcMemoryProvider:
+    """One plain allocation per rank, mapped into every peer through IPC handles (see the module)."""
+
+    kind = "ipc"
+
+    def __init__(self):
+        self._group = None
+        self._own: torch.Tensor | None = None
+        self._peers: list[torch.UntypedStorage] = []
+
+    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
+        from .peers import host_id
+
+        group = group or dist.group.WORLD
+        rank, ws = dist.get_rank(group), dist.get_world_size(group)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # (device index, handle, block size, offset in the block, ref-counter handle and offset, event)
+        meta = buf.untyped_storage()._share_cuda_()
+        cards: list = [None] * ws
+        dist.all_gather_object(cards, (host_id(), nbytes, meta), group=group)
+        hosts = {c[0] for c in cards}
+        if len(hosts) > 1:
+            where = "; ".join(f"rank {r}: {c[0]}" for r, c in enumerate(cards))
+            raise RuntimeError(f"IPC symmetric memory needs every rank on one host; the group spans {len(hosts)} ({where})")
+        sizes = [c[1] for c in cards]
+        if any(s != nbytes for s in sizes):
+            raise RuntimeError(f"IPC symmetric memory: ranks asked for different sizes {sizes} (bytes, by rank); "
+                               f"every rank must lay out the same arena (compare the ranks' configs)")
+        bases = []
+        for pe, (_, _, peer_meta) in enumerate(cards):
+            if pe == rank:
+                bases.append(buf.data_ptr())
+                continue
+            storage = torch.UntypedStorage._new_shared_cuda(*peer_meta)
+            if storage.nbytes() < nbytes:
+                raise RuntimeError(f"IPC symmetric memory: rank {pe}'s block maps {storage.nbytes()} bytes, "
+                                   f"expected {nbytes}")
+            self._peers.append(storage)
+            bases.append(storage.data_ptr())
+        self._group, self._own = group, buf
+        return buf, bases
+
+    def release(self, tensor: torch.Tensor) -> None:
+        if self._group is None:
+            return
+        self._peers.clear()  # unmap the peers' blocks (each storage's deleter closes its handle)
+        dist.barrier(group=self._group)  # every peer has unmapped this rank's block
+        self._own = None
+        self._group = None
+        torch.cuda.ipc_collect()  # free this rank's block now that no peer holds it
+
+
+def make_provider(kind: str) -> MemoryProvider:
+    """A fresh provider of ``kind`` (``torch`` or ``ipc``)."""
+    providers = {"torch": TorchSymmMemProvider, "ipc": IpcMemoryProvider}
+    if kind not in providers:
+        raise ValueError(f"symmetric memory provider {kind!r}: allowed {tuple(providers)}")
+    return providers[kind]()
