@@ -87,3 +87,12 @@ def src_copy(monkeypatch, tmp_path) -> Path:
         shutil.copytree(REPO / d, root / d)
     monkeypatch.setenv("MORI_SOURCE_ROOT", str(root))
     return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _mps_daemon_stopped_at_end():
+    """Stop the CUDA MPS daemon the GPU harness (``tests/gpu_world.py``) started, even on failure."""
+    yield
+    harness = sys.modules.get("gpu_world")
+    if harness is not None:
+        harness.stop_mps()

@@ -31,14 +31,14 @@ def free_port() -> int:
 
 
 def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, args: tuple,
-            backend: str = "gloo") -> None:
+            backend: str = "gloo", gpus: int = 0) -> None:
     # Keep gloo on loopback: container hostnames often resolve to unreachable addresses.
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Several processes share few cores; intra-op threads would only oversubscribe them.
     torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    if gpus:  # ranks round-robin over the GPUs (several per GPU when there are fewer GPUs than ranks)
+        torch.cuda.set_device(rank % gpus)
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -70,37 +70,45 @@ def _drain(errors) -> str:
     return "\n".join(f"--- rank {rank} ---\n{tb}" for _, rank, tb in reports)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo",
+                    gpus: int = 0) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes and wait for all.
 
-    ``backend`` is the process-group backend: ``gloo`` (CPU) or ``nccl`` (rank r uses GPU r).
+    ``backend`` is the process-group backend: ``gloo`` or ``nccl`` (one rank per GPU). With
+    ``gpus`` > 0, rank r makes GPU ``r % gpus`` its current device (NCCL needs ``gpus >= world_size``).
 
     Raises:
         AssertionError: a worker raised or died; the message holds every reported traceback,
             earliest first (the first is usually the root cause, later ones its echoes).
         TimeoutError: not all workers finished within ``timeout`` seconds (they are killed).
     """
+    if backend == "nccl" and not gpus:
+        gpus = world_size  # rank r on GPU r
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"nccl needs a GPU per rank: world_size {world_size}, gpus {gpus} (use gloo)")
     port = free_port()
     errors = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.spawn(_worker, args=(fn, world_size, port, timeout, errors, args, backend),
+    ctx = mp.spawn(_worker, args=(fn, world_size, port, timeout, errors, args, backend, gpus),
                    nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout
     name = getattr(fn, "__name__", repr(fn))
-    while True:
-        try:
-            # Raises as soon as any worker fails (and terminates the rest); True once all are done.
-            if ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                return
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            reports = _drain(errors) or str(e)
-            raise AssertionError(f"distributed job {name!r} (world_size {world_size}) failed:\n"
-                                 f"{reports}") from None
-        if time.monotonic() >= deadline:
-            alive = [p.pid for p in ctx.processes if p.is_alive()]
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(5)
-            raise TimeoutError(f"distributed job {name!r} with world_size {world_size} did not "
-                               f"finish within {timeout} s (killed pids {alive})\n{_drain(errors)}")
+    try:
+        while True:
+            try:
+                # Raises as soon as any worker fails (and terminates the rest); True once all are done.
+                if ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                    return
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+                reports = _drain(errors) or str(e)
+                raise AssertionError(f"distributed job {name!r} (world_size {world_size}) failed:\n"
+                                     f"{reports}") from None
+            if time.monotonic() >= deadline:
+                alive = [p.pid for p in ctx.processes if p.is_alive()]
+                raise TimeoutError(f"distributed job {name!r} with world_size {world_size} did not "
+                                   f"finish within {timeout} s (killed pids {alive})\n{_drain(errors)}")
+    finally:  # whatever ends the wait (a failure, the deadline, an interrupt), no worker outlives it
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join(5)

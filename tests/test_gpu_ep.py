@@ -1,7 +1,9 @@
 """GPU tests of the ``hip`` EP backend (run on the device machine: ``pytest -m gpu``).
 
 Every check is the golden check of DESIGN §6 on fresh random data, with outputs poisoned first.
-One process per visible GPU (NCCL); with one GPU the op runs at world size 1.
+Every test runs at world sizes 1, 2, 4 and 8 (``MORI_EP_TEST_WORLD_SIZES``): one rank per GPU
+(NCCL) where there are enough GPUs, otherwise several ranks per GPU on the IPC arena provider and
+gloo under CUDA MPS (``tests/gpu_world.py``).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import re
 import pytest
 import torch
 
-from ep_dist import run_distributed
+from gpu_world import WORLD_SIZES, run_ep_job
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
@@ -22,8 +24,19 @@ FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
 DTYPE_PAIRS = [(BF16, BF16), (FP32, FP32), (FP8, BF16), (FP4, BF16), (BF16, FP32)]
 
 
-def _world() -> int:
-    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+def _dev() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _share(ws: int) -> int:
+    """The SMs/CUs each rank's grid may use: the device's, split among the ranks on it."""
+    ranks_here = -(-ws // torch.cuda.device_count())
+    return torch.cuda.get_device_properties(_dev()).multi_processor_count // ranks_here
+
+
+def _host_or_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the default group's collectives take it (gloo: the host)."""
+    return t.cpu() if torch.distributed.get_backend() == "gloo" else t
 
 
 def _expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:
@@ -47,7 +60,7 @@ def _poison(op):
 def _round(op, cfg, rank, ws, gen, n, *, drop=0.0, all_to=None, check_parity_with=None):
     from mori_jit.ops.ep.golden import golden_check, make_inputs
 
-    dev = torch.device("cuda", rank)
+    dev = _dev()
     x, w, idx = make_inputs(rank, n, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts,
                             cfg.dispatch_dtype, dev, gen, drop_frac=drop, all_to_rank=all_to, world_size=ws)
     _poison(op)
@@ -64,18 +77,24 @@ def _round(op, cfg, rank, ws, gen, n, *, drop=0.0, all_to=None, check_parity_wit
 
 
 def _parity(op, ref_op, x, w, idx, out, out_w, out_idx, total, routing, y, y_w):
-    """hip vs torch backend: same rows per source (matched through the reverse map), same sums."""
-    r_out, r_w, _, r_idx, r_total, r_routing = ref_op.dispatch(x, w, None, idx, return_routing=True)
+    """hip vs torch backend: same rows per source (matched through the reverse map), same sums. The
+    torch backend runs where its group's collectives do (gloo: the host); results come back."""
+    on = ref_op.device
+    r_out, r_w, _, r_idx, r_total, r_routing = ref_op.dispatch(x.to(on), w.to(on), None, idx.to(on),
+                                                               return_routing=True)
+    dev = x.device
+    r_out, r_w, r_idx = r_out.to(dev), r_w.to(dev), r_idx.to(dev)
     t = total.item()
     assert t == r_total.item(), f"total_recv hip {t} != torch {r_total.item()}"
-    hip_src, ref_src = routing.recv_src[:t].long(), r_routing.recv_src[:t].long()
+    hip_src, ref_src = routing.recv_src[:t].long(), r_routing.recv_src[:t].long().to(dev)
     hip_order, ref_order = torch.argsort(hip_src), torch.argsort(ref_src)
     assert torch.equal(hip_src[hip_order], ref_src[ref_order]), "received source sets differ"
     assert torch.equal(out[:t].view(torch.uint8)[hip_order], r_out[:t].view(torch.uint8)[ref_order])
     assert torch.equal(out_w[:t][hip_order], r_w[:t][ref_order])
     assert torch.equal(out_idx[:t][hip_order], r_idx[:t][ref_order])
     cfg = op.cfg
-    r_y, r_yw = ref_op.combine(_expert(r_out, cfg.combine_dtype)[:t], weights=r_w[:t], routing=r_routing)
+    r_y, r_yw = ref_op.combine(_expert(r_out, cfg.combine_dtype)[:t].to(on), weights=r_w[:t].to(on), routing=r_routing)
+    r_y, r_yw = r_y.to(dev), r_yw.to(dev)
     torch.testing.assert_close(y.float(), r_y.float(), rtol=1e-2 if cfg.combine_dtype == BF16 else 1e-5,
                                atol=1e-2 if cfg.combine_dtype == BF16 else 1e-5)
     torch.testing.assert_close(y_w, r_yw, rtol=1e-5, atol=1e-5)
@@ -122,7 +141,7 @@ def _golden_job(rank, ws):
     # dispatch-done count and its combine ranges must not depend on its peers' grids. At EP2 in low
     # latency, rank 1's 96 blocks hold its 96 peer-token tasks, so it takes one-token ranges and
     # rank 0 two-token ones (EpRangeTok).
-    blocks = (8, 96, 16, 40)[rank % 4]
+    blocks = min((8, 96, 16, 40)[rank % 4], _share(ws))
     for low in (None, False):
         with EpDispatchCombineOp(_cfg(rank, ws, 7168, 8, BF16, BF16, m, dispatch_block_num=blocks,
                                       combine_block_num=blocks, combine_low_latency=low), None) as op:
@@ -178,7 +197,7 @@ def _graph_job(rank, ws):
     from mori_jit.ops.ep.golden import golden_check, make_inputs
 
     gen = torch.Generator().manual_seed(7 + rank)
-    dev = torch.device("cuda", rank)
+    dev = _dev()
     hidden, k = 7168, 8
     # 128 tokens: one combine task per block; 1024: dedicated senders, and summers that claim ranges
     # from a device counter, which every replay must find reset
@@ -236,7 +255,7 @@ def _combine_inputs_job(rank, ws):
     from mori_jit.ops.ep.golden import golden_check, make_inputs
 
     gen = torch.Generator().manual_seed(31 + rank)
-    dev = torch.device("cuda", rank)
+    dev = _dev()
     hidden, k = 2048, 8
     # m = 40: low latency (the default there), then range flags, then range flags on 4 blocks (2
     # dedicated senders claim 20 tasks, so a peer's short input reaches claimed tasks too); 1100:
@@ -285,9 +304,9 @@ def _combine_inputs_job(rank, ws):
                 # ranks' claim timing, so half the rows might all be its own)
                 peer_rows = (routing.recv_src[:t].long() // cfg.max_num_inp_token_per_rank != 0).nonzero()
                 rows = (int(peer_rows[-1]) if len(peer_rows) else t // 2) if rank == 0 else t
-                lost = torch.zeros(ws, dtype=torch.int32, device=dev)  # by source rank of a dropped row
+                lost = _host_or_device(torch.zeros(ws, dtype=torch.int32, device=dev))  # by source rank of a dropped row
                 if rank == 0:
-                    lost[(routing.recv_src[rows:t].long() // cfg.max_num_inp_token_per_rank).unique()] = 1
+                    lost[(routing.recv_src[rows:t].long() // cfg.max_num_inp_token_per_rank).unique().to(lost.device)] = 1
                     assert ws == 1 or lost[1:].any(), "the short input must drop some peer's rows"
                 torch.distributed.broadcast(lost, 0)
                 op.combine(out[:rows].clone(), weights=out_w[:rows].clone(), routing=routing)
@@ -311,12 +330,12 @@ def _queued_rounds_job(rank, ws):
     combine-done flag). Combine inputs alternate between the dispatch output itself (in the arena,
     which that next dispatch overwrites) and a fresh tensor; every round's result is kept in its own
     poisoned output and checked at the end: y == U * x and y_w == U * w, U the number of distinct
-    ranks a token went to (the identity expert)."""
+    ranks a token went to (the identity expert), rounded once to the combine dtype."""
     from mori_jit.ops.ep import EpDispatchCombineOp
     from mori_jit.ops.ep.golden import make_inputs
 
     gen = torch.Generator().manual_seed(71 + rank)
-    dev = torch.device("cuda", rank)
+    dev = _dev()
     m, hidden, k, rounds = 128, 7168, 8, 24
     for low in (None, False):  # low latency (the default at m = 128), then range flags
         with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency=low), None) as op:
@@ -336,12 +355,59 @@ def _queued_rounds_job(rank, ws):
             for i, (x, w, idx) in enumerate(ins):
                 ranks = torch.where((idx >= 0) & (idx < cfg.num_experts), idx // cfg.num_experts_per_rank, -1)
                 u = torch.stack([(ranks == r).any(1) for r in range(ws)], 1).sum(1, keepdim=True).float()
-                if not torch.equal(ys[i].float(), x.float() * u):
+                # the kernel sums in fp32 and rounds once: U * x is exact in fp32 (U <= 8), then one rounding
+                if not torch.equal(ys[i], (x.float() * u).to(ys[i].dtype)):
                     bad.append(f"round {i} y ({'arena' if i % 2 == 0 else 'fresh'} input)")
                 if not torch.allclose(yws[i], w * u, rtol=1e-5, atol=1e-6):
                     bad.append(f"round {i} y_w")
             torch.distributed.barrier()
             assert not bad, f"rank {rank}: {bad}"
+
+
+def _empty_receiver_job(rank, ws):
+    """A MoE layer's pattern: combines alternate without weights and with ``weights=out_w[:total]``,
+    and in some rounds every rank has one token and one rank receives nothing (no token picks its
+    experts), so that rank passes weights with no rows. Its own token's weights come back from its
+    peers all the same: y_w == U * w (golden check), rounds with changing token counts between."""
+    from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+
+    gen = torch.Generator().manual_seed(4242 + rank)
+    dev = _dev()
+    hidden, k, epr, m = 128, 4, 4, 32
+    blocks = min(16, _share(ws))
+    for dtype in (BF16, FP32):
+        for low in (True, False):
+            cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=hidden, max_num_inp_token_per_rank=m,
+                                          num_experts_per_rank=epr, num_experts_per_token=k, data_type=dtype,
+                                          dispatch_block_num=blocks, combine_block_num=blocks,
+                                          combine_low_latency=low)
+            with EpDispatchCombineOp(cfg, None) as op:
+                for i in range(12):
+                    weighted, empty = i % 2 == 1, (i // 2) % ws
+                    if i % 4 < 2:  # one token each; rank `empty` receives nothing
+                        x, w, idx = make_inputs(rank, 1, hidden, k, cfg.num_experts, dtype, dev, gen)
+                        others = torch.tensor([e for e in range(cfg.num_experts) if e // epr != empty], dtype=torch.int32)
+                        pick = others[torch.randperm(len(others), generator=gen)[:k]] if len(others) >= k else \
+                            torch.full((k,), -1, dtype=torch.int32)  # (one rank: every slot dropped)
+                        idx = pick.view(1, k).to(dev)
+                    else:
+                        n = int(torch.randint(0, m + 1, (1,), generator=gen))
+                        x, w, idx = make_inputs(rank, n, hidden, k, cfg.num_experts, dtype, dev, gen)
+                    _poison(op)
+                    out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+                    t = total.item()
+                    if i % 4 < 2:
+                        assert (t == 0) == (rank == empty), f"rank {rank} received {t} rows (empty rank {empty})"
+                    exp = out[:t].clone()
+                    if weighted:
+                        y, y_w = op.combine(exp, weights=out_w[:t], routing=routing)
+                    else:
+                        y, y_w = op.combine(exp, routing=routing)
+                        assert y_w is None
+                    golden_check(op.group, rank, ws, m, epr, x, w, idx, out, out_w, out_idx, total,
+                                 routing.recv_src, y, y_w)
+                op.check()
 
 
 def _timeout_job(rank, ws):
@@ -355,11 +421,11 @@ def _timeout_job(rank, ws):
             # rank 1 may still be reading its outputs; they stay valid only until any rank's next dispatch
             torch.distributed.barrier()
             from mori_jit.ops.ep.golden import make_inputs
-            x, w, idx = make_inputs(rank, 32, 2048, 4, op.cfg.num_experts, BF16, torch.device("cuda", rank), gen)
+            x, w, idx = make_inputs(rank, 32, 2048, 4, op.cfg.num_experts, BF16, _dev(), gen)
             if rank == 0:
                 op.dispatch(x, w, None, idx)  # rank 1 never dispatches: rank 0's wait must give up
                 torch.cuda.synchronize()
-                with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: .* from rank 1 timed out") as err:
+                with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: .* from rank [1-9][0-9]* timed out") as err:
                     op.check()
                 # the second dispatch: rank 1's blocks never added their 1048576 for epoch 2
                 assert "(flag never reached 2097152 = 1048576 x dispatch epoch 2)" in str(err.value), str(err.value)
@@ -374,7 +440,7 @@ def _timeout_job(rank, ws):
             if rank == 0:
                 op.combine(out, weights=out_w, routing=routing)
                 torch.cuda.synchronize()
-                with pytest.raises(EpDeviceError, match=r"rank 0: combine[ :].* from rank 1 timed out") as err:
+                with pytest.raises(EpDeviceError, match=r"rank 0: combine[ :].* from rank [1-9][0-9]* timed out") as err:
                     op.check()
                 # every summer timed out at once; the report is one thread's, whole: the 4th combine
                 # since the reset (3 rounds) waited for range flags of 2 x epoch 4, or (low latency)
@@ -382,37 +448,53 @@ def _timeout_job(rank, ws):
                 if low is False:
                     assert "(flag never reached 8 = 2 x combine epoch 4)" in str(err.value), str(err.value)
                 else:
-                    got = re.search(r"row of a token \(its words never arrived\) from rank 1 timed out after "
+                    got = re.search(r"row of a token \(its words never arrived\) from rank [1-9][0-9]* timed out after "
                                     r"MORI_EP_TIMEOUT_S \(token ([0-9]+)\)", str(err.value))
                     assert got and int(got.group(1)) < 32, str(err.value)
             op.reset()  # collective
             _round(op, op.cfg, rank, ws, gen, 32)
 
 
-def test_golden_all_dtypes_shapes_and_parity():
-    run_distributed(_golden_job, _world(), timeout=900, backend="nccl")
+_WS = pytest.mark.parametrize("ws", WORLD_SIZES)
 
 
-def test_combine_inputs_anywhere_and_back_to_back():
-    run_distributed(_combine_inputs_job, _world(), timeout=600, backend="nccl")
+@_WS
+def test_golden_all_dtypes_shapes_and_parity(ws):
+    run_ep_job(_golden_job, ws, timeout=900)
 
 
-def test_queued_rounds_without_host_sync():
-    run_distributed(_queued_rounds_job, _world(), timeout=600, backend="nccl")
+@_WS
+def test_combine_inputs_anywhere_and_back_to_back(ws):
+    run_ep_job(_combine_inputs_job, ws)
 
 
-def test_bulk_copy_dispatch_mixed_blocks_dtypes_and_rounds():
-    run_distributed(_bulk_job, _world(), timeout=600, backend="nccl")
+@_WS
+def test_queued_rounds_without_host_sync(ws):
+    run_ep_job(_queued_rounds_job, ws)
 
 
-def test_200_rounds_without_reset():
-    run_distributed(_rounds_job, _world(), timeout=600, backend="nccl")
+@_WS
+def test_bulk_copy_dispatch_mixed_blocks_dtypes_and_rounds(ws):
+    run_ep_job(_bulk_job, ws)
 
 
-def test_graph_capture_replay():
-    run_distributed(_graph_job, _world(), timeout=600, backend="nccl")
+@_WS
+def test_200_rounds_without_reset(ws):
+    run_ep_job(_rounds_job, ws)
 
 
-@pytest.mark.skipif(_world() < 2, reason="needs two GPUs (one rank skips a dispatch)")
-def test_timeout_records_and_raises():
-    run_distributed(_timeout_job, _world(), timeout=300, backend="nccl")
+@_WS
+def test_graph_capture_replay(ws):
+    run_ep_job(_graph_job, ws)
+
+
+@_WS
+def test_ranks_that_receive_nothing_get_their_weights_summed(ws):
+    run_ep_job(_empty_receiver_job, ws)
+
+
+@_WS
+def test_timeout_records_and_raises(ws):
+    if ws < 2:
+        pytest.skip("needs two ranks (one skips a dispatch)")
+    run_ep_job(_timeout_job, ws, timeout=300)

@@ -51,8 +51,9 @@ class SymmArena:
             provider = make_provider(provider)
         tensor, bases = provider.allocate(total, device, group)
         tensor.zero_()
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
+        if len(bases) > 1:  # (one rank has no peer to wait for)
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)
         return cls(tensor, offsets, dict(region_bytes), bases, provider)
 
     def view(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

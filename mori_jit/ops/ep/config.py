@@ -26,6 +26,12 @@ BACKENDS = ("hip", "torch")
 DEFAULT_BACKEND = "hip"
 
 
+#: Field metadata of what may differ between the ranks of one op: the rank, and the geometry (each
+#: rank sizes its grids for itself). Every other field must be equal on every rank (compared at
+#: construction).
+PER_RANK = {"per_rank": True}
+
+
 def _int(name: str, value: Any, lo: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"EpDispatchCombineConfig.{name}={value!r}: expected an int >= {lo}")
@@ -50,12 +56,14 @@ class EpDispatchCombineConfig:
     ones; ``None`` turns it on when ``max_num_inp_token_per_rank`` is at most the backend's
     threshold (an op sized for decode batches), like DeepEP's separate low-latency mode, on NVIDIA
     GPUs (where it was measured; on AMD it is built only when asked for).
+    ``rank`` and the geometry fields (``PER_RANK`` metadata) may differ between ranks; every
+    other field must be the same on every rank of the group (compared at construction).
     ``symm_memory``: what backs the symmetric arena: ``"torch"`` (torch symmetric memory),
     ``"ipc"`` (CUDA/HIP IPC handles of a plain allocation, one host), or ``"auto"``: torch unless
     ranks share a device (which torch symmetric memory refuses) or it is unusable, then ipc.
     """
 
-    rank: int
+    rank: int = dataclasses.field(metadata=PER_RANK)
     world_size: int
     hidden_dim: int
     max_num_inp_token_per_rank: int
@@ -68,11 +76,11 @@ class EpDispatchCombineConfig:
     scale_type_size: int = 0
     combine_mode: str = "gather"
     quant_type: Optional[str] = None
-    dispatch_block_num: Optional[int] = None
-    combine_block_num: Optional[int] = None
-    warp_num_per_block: Optional[int] = None
-    combine_warp_num_per_block: Optional[int] = None
-    schedule: Optional[Sequence[tuple]] = None
+    dispatch_block_num: Optional[int] = dataclasses.field(default=None, metadata=PER_RANK)
+    combine_block_num: Optional[int] = dataclasses.field(default=None, metadata=PER_RANK)
+    warp_num_per_block: Optional[int] = dataclasses.field(default=None, metadata=PER_RANK)
+    combine_warp_num_per_block: Optional[int] = dataclasses.field(default=None, metadata=PER_RANK)
+    schedule: Optional[Sequence[tuple]] = dataclasses.field(default=None, metadata=PER_RANK)
     max_total_recv_tokens: int = 0
     gpu_per_node: int = 8
     kernel_backend: Optional[str] = None

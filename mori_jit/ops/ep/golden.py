@@ -44,14 +44,21 @@ def _bytes2d(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(rows, cols * t.element_size())
 
 
+def _all_gather(group, world_size: int, t: torch.Tensor) -> list[torch.Tensor]:
+    """``all_gather`` of ``t`` on ``t``'s device; through the host where the group is gloo (whose
+    gather takes host tensors), e.g. ranks that share a GPU."""
+    via = t.cpu() if dist.get_backend(group) == "gloo" else t
+    parts = [torch.empty_like(via) for _ in range(world_size)]
+    dist.all_gather(parts, via, group=group)
+    return [p.to(t.device) for p in parts]
+
+
 def _gather_padded(group, world_size: int, rows_max: int, t: torch.Tensor) -> torch.Tensor:
     """all_gather ``t [n <= rows_max, C]`` from every rank as bytes; returns uint8 ``[ws, rows_max, C*es]``."""
     b = _bytes2d(t)
     pad = torch.zeros(rows_max, b.shape[1], dtype=torch.uint8, device=t.device)
     pad[: b.shape[0]] = b
-    parts = [torch.empty_like(pad) for _ in range(world_size)]
-    dist.all_gather(parts, pad, group=group)
-    return torch.stack(parts)
+    return torch.stack(_all_gather(group, world_size, pad))
 
 
 def _as_dtype(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,8 +153,7 @@ def golden_check(
 
     # ---- gather every rank's inputs (all collectives first) -------------------------------------
     n_t = torch.tensor([n], dtype=torch.int64, device=device)
-    ns = [torch.empty_like(n_t) for _ in range(ws)]
-    dist.all_gather(ns, n_t, group=group)
+    ns = _all_gather(group, ws, n_t)
     all_n = [int(v.item()) for v in ns]
     all_x = _gather_padded(group, ws, M, x).reshape(ws * M, -1)           # bytes
     all_w = _gather_padded(group, ws, M, weights.to(torch.float32)).reshape(ws * M, -1)

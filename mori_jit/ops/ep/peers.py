@@ -1,7 +1,7 @@
 """What the ranks of an EP group learn about each other at construction, in one collective.
 
 Every rank contributes a :class:`RankCard` (its host, its device's UUID, whether torch symmetric
-memory is usable, its config with the rank left out); :func:`gather_cards` exchanges them with one
+memory is usable, its config); :func:`gather_cards` exchanges them with one
 ``all_gather_object`` over the op's group (any backend, gloo included). Everything derived from
 the cards is a pure function of the full list, so every rank reaches the same decision:
 
@@ -55,7 +55,7 @@ def _torch_symm_mem_usable(device: torch.device) -> bool:
 @dataclasses.dataclass(frozen=True)
 class RankCard:
     """One rank's facts. ``device`` is the UUID of its GPU (None on the CPU); ``config`` its
-    ``EpDispatchCombineConfig`` with ``rank`` set to 0 (so equal configs compare equal)."""
+    ``EpDispatchCombineConfig``."""
 
     rank: int
     host: str
@@ -69,11 +69,13 @@ class RankCard:
         uuid = None
         if device.type == "cuda":
             uuid = str(torch.cuda.get_device_properties(device).uuid)
-        return cls(rank, host_id(), uuid, _torch_symm_mem_usable(device), dataclasses.replace(config, rank=0))
+        return cls(rank, host_id(), uuid, _torch_symm_mem_usable(device), config)
 
 
 def gather_cards(group, card: RankCard) -> list[RankCard]:
-    """Collective: every rank's card, by rank."""
+    """Collective: every rank's card, by rank (one rank: its own, without a collective)."""
+    if dist.get_world_size(group) == 1:
+        return [card]
     cards: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(cards, card, group=group)
     return cards
@@ -88,31 +90,32 @@ def ranks_sharing_device(cards: Sequence[RankCard], rank: int) -> int:
 
 
 def config_mismatch(cards: Sequence[RankCard]) -> Optional[str]:
-    """None when every rank has the same config (rank aside); else one line naming the first field
-    that differs and each rank's value."""
-    first = cards[0].config
-    for c in cards[1:]:
-        if c.config == first:
+    """None when every rank has the same config, fields marked ``per_rank`` (the rank, the
+    geometry) aside; else one line naming the first field that differs and each rank's value."""
+    for f in dataclasses.fields(cards[0].config):
+        if f.metadata.get("per_rank"):
             continue
-        for f in dataclasses.fields(first):
-            values = [getattr(k.config, f.name) for k in cards]
-            if any(v != values[0] for v in values):
-                per_rank = ", ".join(f"rank {k.rank}: {v!r}" for k, v in zip(cards, values))
-                return f"EpDispatchCombineConfig.{f.name} differs between ranks ({per_rank}); every rank must pass the same config"
-        return "EpDispatchCombineConfig differs between ranks"
+        values = [getattr(k.config, f.name) for k in cards]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {k.rank}: {v!r}" for k, v in zip(cards, values))
+            return (f"EpDispatchCombineConfig.{f.name} differs between ranks ({per_rank}); every rank must pass "
+                    f"the same {f.name}")
     return None
 
 
 def memory_kind(requested: str, cards: Sequence[RankCard]) -> str:
     """The provider for the arena: ``requested`` unless ``auto``, which takes ``torch`` only when
-    no two ranks share a device and torch symmetric memory is usable on every rank, else ``ipc``.
+    there are peers, no two ranks share a device and torch symmetric memory is usable on every
+    rank, else ``ipc`` (for one rank a plain allocation: nothing is shared, and it spares torch
+    symmetric memory's start-up).
     Raises ValueError for a request that cannot work (``torch`` with ranks on one device, which
     torch symmetric memory refuses; ``ipc`` across hosts)."""
     if requested not in SYMM_MEMORY_KINDS:
         raise ValueError(f"EpDispatchCombineConfig.symm_memory={requested!r}: allowed {SYMM_MEMORY_KINDS}")
     shared = any(ranks_sharing_device(cards, c.rank) > 1 for c in cards)
     if requested == "auto":
-        requested = "torch" if not shared and all(c.torch_symm_mem for c in cards) else "ipc"
+        usable = len(cards) > 1 and not shared and all(c.torch_symm_mem for c in cards)
+        requested = "torch" if usable else "ipc"
     if requested == "torch" and shared:
         pairs = [c.rank for c in cards if ranks_sharing_device(cards, c.rank) > 1]
         raise ValueError(f"EpDispatchCombineConfig.symm_memory='torch': ranks {pairs} share a device, which torch "

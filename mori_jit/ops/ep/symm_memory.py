@@ -8,7 +8,7 @@ Two providers, chosen by ``EpDispatchCombineConfig.symm_memory`` (see :func:`.pe
   torch's own storage sharing (``_share_cuda_`` on the owner, ``_new_shared_cuda`` on each peer;
   CUDA IPC on NVIDIA, HIP IPC on ROCm), the handles exchanged with ``all_gather_object`` over the
   op's group (gloo included). Works for ranks on one device and for ranks on P2P-connected devices
-  of one host.
+  of one host. A group of one rank gets a plain allocation and no collective.
 
 Lifetime: :meth:`MemoryProvider.release` is collective. A rank first drops its mappings of the
 peers' blocks, then waits for the group, then frees its own block: no owner frees memory a peer
@@ -51,11 +51,8 @@ class TorchSymmMemProvider:
 
         group = group or dist.group.WORLD
         name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op after
-            try:
-                symm_mem.enable_symm_mem_for_group(name)
-            except Exception:  # noqa: BLE001 - deprecated paths may warn or raise once enabled
-                pass
+        if _torch_before(2, 9) and hasattr(symm_mem, "enable_symm_mem_for_group"):  # a deprecated no-op after
+            symm_mem.enable_symm_mem_for_group(name)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buf, name)
         ptrs = [int(p) for p in handle.buffer_ptrs]
@@ -69,6 +66,11 @@ class TorchSymmMemProvider:
 
     def release(self, tensor: torch.Tensor) -> None:
         self._handle = None
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    parts = torch.__version__.split(".")
+    return (int(parts[0]), int(parts[1])) < (major, minor)
 
 
 class IpcMemoryProvider:
@@ -87,6 +89,9 @@ class IpcMemoryProvider:
         group = group or dist.group.WORLD
         rank, ws = dist.get_rank(group), dist.get_world_size(group)
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if ws == 1:  # no peer maps it: a plain allocation, and no collective (none is needed)
+            self._group, self._own = group, buf
+            return buf, [buf.data_ptr()]
         # (device index, handle, block size, offset in the block, ref-counter handle and offset, event)
         meta = buf.untyped_storage()._share_cuda_()
         cards: list = [None] * ws
@@ -115,6 +120,9 @@ class IpcMemoryProvider:
 
     def release(self, tensor: torch.Tensor) -> None:
         if self._group is None:
+            return
+        if not self._peers:  # one rank: nothing shared
+            self._own = self._group = None
             return
         self._peers.clear()  # unmap the peers' blocks (each storage's deleter closes its handle)
         dist.barrier(group=self._group)  # every peer has unmapped this rank's block

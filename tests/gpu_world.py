@@ -1,0 +1,149 @@
+"""Where the GPU tests' ranks run: one rank per GPU when there are enough GPUs, otherwise several
+ranks per GPU, on the IPC arena provider and gloo, under CUDA MPS.
+
+Ranks that share a GPU spin-wait on each other's kernels, so they must run concurrently: MPS does
+that (plain time slicing only makes them crawl into their timeouts). :func:`run_ep_job` starts an
+MPS control daemon with private pipe and log folders when a job shares a GPU and none runs yet, and
+:func:`stop_mps` (called at the end of the test session, and at exit) stops the daemon it started.
+NCCL refuses two ranks on one GPU, so such jobs use gloo (the golden check and the torch backend
+run on it too). No timing from several ranks on one GPU measures anything but the protocol.
+
+``MORI_EP_TEST_WORLD_SIZES`` (comma-separated, default ``1,2,4,8``) selects the world sizes.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+from ep_dist import run_distributed
+
+__all__ = ["WORLD_SIZES", "Placement", "placement", "gpu_count", "mps_unavailable", "run_ep_job", "stop_mps"]
+
+WORLD_SIZES = tuple(int(w) for w in os.environ.get("MORI_EP_TEST_WORLD_SIZES", "1,2,4,8").split(",") if w.strip())
+
+_MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def gpu_count() -> int:
+    """Visible GPUs (0 without CUDA/ROCm)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class Placement(NamedTuple):
+    """How a job of ``world_size`` ranks lands on ``gpus`` GPUs."""
+
+    world_size: int
+    gpus: int
+    ranks_per_gpu: int  # the most ranks on one GPU
+    backend: str  # the process group's: nccl with a GPU per rank, gloo otherwise
+
+
+def placement(world_size: int, gpus: Optional[int] = None) -> Placement:
+    """Ranks round-robin over the GPUs (rank r on GPU ``r % gpus``)."""
+    gpus = gpu_count() if gpus is None else gpus
+    used = min(gpus, world_size)
+    per = -(-world_size // used) if used else 0
+    return Placement(world_size, used, per, "nccl" if per == 1 else "gloo")
+
+
+def _daemon_running() -> bool:
+    """Whether an MPS control daemon runs (the one this process started, or another one)."""
+    if _MPS.dirs:
+        return True
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:  # (a process name is cut to 15 characters: "nvidia-cuda-mps")
+            if comm.read_text().strip() == _MPS_CONTROL[:15] and "control" in (comm.parent / "cmdline").read_text():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def mps_unavailable() -> Optional[str]:
+    """Why MPS cannot be used here (None when it can: a daemon runs, or this process can start one)."""
+    if torch.version.hip is not None:
+        return None  # ROCm runs kernels of several processes concurrently without a daemon
+    if shutil.which(_MPS_CONTROL) is None:
+        return f"{_MPS_CONTROL} is not installed"
+    if _daemon_running():
+        return None
+    if os.geteuid() != 0:
+        return f"no MPS daemon runs and starting one ({_MPS_CONTROL} -d) needs root"
+    return None
+
+
+class _Mps:
+    """The daemon this process started: its folders and the environment it changed."""
+
+    def __init__(self):
+        self.dirs: list[str] = []
+        self.saved: dict[str, Optional[str]] = {}
+
+    def start(self) -> None:
+        pipe, log = tempfile.mkdtemp(prefix="mori-mps-pipe-"), tempfile.mkdtemp(prefix="mori-mps-log-")
+        env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": log}
+        subprocess.run([_MPS_CONTROL, "-d"], env={**os.environ, **env}, check=True, timeout=30)
+        self.dirs = [pipe, log]
+        self.saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the ranks, spawned later, inherit it and connect to this daemon
+
+    def _kill_daemon(self) -> None:
+        """SIGKILL the MPS processes that run with this daemon's pipe folder."""
+        mark = f"CUDA_MPS_PIPE_DIRECTORY={self.dirs[0]}".encode()
+        for env in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if (env.parent / "comm").read_text().strip() == _MPS_CONTROL[:15] and mark in env.read_bytes():
+                    os.kill(int(env.parent.name), 9)
+            except (OSError, ValueError):
+                continue
+
+    def stop(self) -> None:
+        if not self.dirs:
+            return
+        try:
+            subprocess.run([_MPS_CONTROL], input="quit\n", text=True, env=dict(os.environ), timeout=30,
+                           capture_output=True)
+        except subprocess.TimeoutExpired:  # a client still holds it: end the daemon and its server
+            self._kill_daemon()
+        finally:
+            for k, v in self.saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            for d in self.dirs:
+                shutil.rmtree(d, ignore_errors=True)
+            self.dirs, self.saved = [], {}
+
+
+_MPS = _Mps()
+atexit.register(_MPS.stop)
+
+
+def stop_mps() -> None:
+    """Stop the MPS daemon this process started (no-op otherwise)."""
+    _MPS.stop()
+
+
+def run_ep_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks placed by :func:`placement`;
+    skips (pytest) when ranks must share a GPU and MPS is not available here."""
+    import pytest
+
+    where = placement(world_size)
+    if where.gpus == 0:
+        pytest.skip("needs a CUDA/ROCm GPU")
+    if where.ranks_per_gpu > 1:
+        why = mps_unavailable()
+        if why:
+            pytest.skip(f"{world_size} ranks on {where.gpus} GPU(s) need CUDA MPS: {why}")
+        if torch.version.hip is None and not _daemon_running():
+            _MPS.start()
+    run_distributed(fn, world_size, *args, timeout=timeout, backend=where.backend, gpus=where.gpus)
