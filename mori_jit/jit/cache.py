@@ -239,7 +239,7 @@ def writable_root() -> Path:
         root.parent.mkdir(parents=True, exist_ok=True)
     make_dir(root, follow=True)
     if not is_marked(root):
-        foreign = [str(p.relative_to(root)) for p in classify(root).foreign]
+        foreign = [str(p.relative_to(root)) for p, _ in classify(root).foreign]
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             raise RuntimeError(f"MORI_JIT_CACHE_DIR={root} is not a mori-jit cache (no CACHEDIR.TAG naming "

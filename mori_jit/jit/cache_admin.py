@@ -92,12 +92,13 @@ def verify(remove: bool = False) -> tuple[list[EntryInfo], Removal]:
     if remove and bad:
         root = cache.cache_root()
         check_dir(root, follow=True)
-        removable, marked = set(classify(root).entries), is_marked(root)
+        contents, marked = classify(root), is_marked(root)
+        removable, foreign = set(contents.entries), dict(contents.foreign)
         for p in bad:
             if p in removable:
                 _try(out, "entries", p, lambda p=p: _remove_entry(p, marked))
             else:
-                out.left.append((p, "holds files mori-jit did not make"))
+                out.left.append((p, foreign.get(p, "not made by mori-jit")))
     return infos, out
 
 
@@ -109,7 +110,7 @@ def clear() -> Removal:
         return out
     check_dir(root, follow=True)  # (a root others can write could have links swapped in mid-way)
     contents, marked = classify(root), is_marked(root)
-    out.left += [(p, "not made by mori-jit") for p in contents.foreign]
+    out.left += contents.foreign
     for p in contents.entries:
         _try(out, "entries", p, lambda p=p: _remove_entry(p, marked))
     if marked:

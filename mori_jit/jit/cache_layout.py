@@ -196,14 +196,14 @@ class Contents:
     ``entries``: entry-shaped directories holding only entry file names; ``builds``: build dirs in
     ``tmp/``; ``bookkeeping``: lock files, kept failed sources, legacy template bytecode;
     ``containers``: the directories holding them (removed when emptied); ``foreign``: the rest, at
-    the first level where it differs from the cache's shapes.
+    the first level where it differs from the cache's shapes, each with why it is not the cache's.
     """
 
     entries: list[Path] = dataclasses.field(default_factory=list)
     builds: list[Path] = dataclasses.field(default_factory=list)
     bookkeeping: list[Path] = dataclasses.field(default_factory=list)
     containers: list[Path] = dataclasses.field(default_factory=list)
-    foreign: list[Path] = dataclasses.field(default_factory=list)
+    foreign: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
 
 
 _BOOKKEEPING = {  # directory -> (shape of an item, is that item a directory holding only these names)
@@ -213,9 +213,16 @@ _BOOKKEEPING = {  # directory -> (shape of an item, is that item a directory hol
 }
 
 
+def _entry_extras(d: Path) -> str:
+    extras = [p.name for p in children(d) if p.name not in ENTRY_FILES or stat.S_ISDIR(_lmode(p))]
+    return ("an entry holding what mori-jit did not make: " + ", ".join(extras[:3]) +
+            (f" and {len(extras) - 3} more" if len(extras) > 3 else "")) if extras else "not a directory"
+
+
 def classify(root: Path) -> Contents:
     """Sort what is under ``root`` by the cache's shapes (no link is followed)."""
     out = Contents()
+    alien = "not made by mori-jit"
     for top in children(root):
         name = top.name
         if name == MARKER_NAME and stat.S_ISREG(_lmode(top)):
@@ -224,25 +231,29 @@ def classify(root: Path) -> Contents:
             out.bookkeeping.append(top)
             continue
         if not is_real_dir(top):
-            out.foreign.append(top)
+            out.foreign.append((top, alien))
             continue
         if ARCH_DIR_RE.fullmatch(name):
-            kids = children(top)
-            mine = [p for p in kids if ENTRY_DIR_RE.fullmatch(p.name) and _only_files(p, ENTRY_FILES)]
-            out.entries += mine
-            out.foreign += [p for p in kids if p not in mine]
+            for p in children(top):
+                if ENTRY_DIR_RE.fullmatch(p.name) and _only_files(p, ENTRY_FILES):
+                    out.entries.append(p)
+                else:
+                    out.foreign.append((p, _entry_extras(p) if ENTRY_DIR_RE.fullmatch(p.name) else alien))
         elif name == TMP:
-            kids = children(top)
-            mine = [p for p in kids if BUILD_DIR_RE.fullmatch(p.name) and is_real_dir(p)]
-            out.builds += mine
-            out.foreign += [p for p in kids if p not in mine]
+            for p in children(top):
+                if BUILD_DIR_RE.fullmatch(p.name) and is_real_dir(p):
+                    out.builds.append(p)
+                else:
+                    out.foreign.append((p, alien))
         elif name in _BOOKKEEPING:
             shape, files = _BOOKKEEPING[name]
             for p in children(top):
-                ok = shape.fullmatch(p.name) and (_only_files(p, files) if files else stat.S_ISREG(_lmode(p)))
-                (out.bookkeeping if ok else out.foreign).append(p)
+                if shape.fullmatch(p.name) and (_only_files(p, files) if files else stat.S_ISREG(_lmode(p))):
+                    out.bookkeeping.append(p)
+                else:
+                    out.foreign.append((p, alien))
         else:
-            out.foreign.append(top)
+            out.foreign.append((top, alien))
             continue
         out.containers.append(top)
     return out
