@@ -52,6 +52,17 @@ class _Parser(argparse.ArgumentParser):
 # helpers
 # ----------------------------------------------------------------------------------------------
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
 def _parse_sets(items: Sequence[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items or ():
@@ -492,7 +503,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("precompile", help="compile everything the shipped specs need for one arch")
     arch_opt(sp)
-    sp.add_argument("-j", "--jobs", type=int, default=0, help="parallel compiles (default: CPU count)")
+    sp.add_argument("-j", "--jobs", type=_positive_int, default=None, help="parallel compiles (default: CPU count)")
     sp.add_argument("--ep", action="extend", nargs="+", metavar="KEY=VALUE", default=[],
                     help="EP op configuration to precompile variants for (see precompile_targets)")
     sp.set_defaults(fn=cmd_precompile)

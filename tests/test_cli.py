@@ -236,7 +236,7 @@ def test_cache_verify_reports_meta_problems(fake_cc, capsys):
     ([], "required"),
     (["render"], "required: spec"),
     (["cache", "zap"], "invalid choice: 'zap'"),
-    (["precompile", "-j", "many"], "invalid int value"),
+    (["precompile", "-j", "many"], "-j/--jobs: expected an int >= 1"),
 ])
 def test_bad_input_one_line(fake_cc, capsys, argv, fragment):
     rc, _, err = run(capsys, *argv)

@@ -224,10 +224,12 @@ def classify(root: Path) -> Contents:
     out = Contents()
     alien = "not made by mori-jit"
     for top in children(root):
-        name = top.name
-        if name == MARKER_NAME and stat.S_ISREG(_lmode(top)):
+        name, mode = top.name, _lmode(top)
+        if not mode:  # gone since the listing (a marker renamed into place, an entry deleted)
             continue
-        if _MARKER_TMP_RE.fullmatch(name) and stat.S_ISREG(_lmode(top)):  # a marker being written
+        if name == MARKER_NAME and stat.S_ISREG(mode):
+            continue
+        if _MARKER_TMP_RE.fullmatch(name) and stat.S_ISREG(mode):  # a marker being written
             out.bookkeeping.append(top)
             continue
         if not is_real_dir(top):
