@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO
 from mori_jit.cli import main
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg
-from mori_jit.jit import cache
+from mori_jit.jit import cache, cache_builds
 from mori_jit.jit.compile import build
 from mori_jit.jit.toolchain import make_toolchain
 
@@ -155,7 +155,7 @@ def test_killed_compiles_are_counted_then_removed_by_the_next_compile(fake_cc, c
     live = cache.cache_root() / "tmp" / ("f" * 32)
     live.mkdir()
     for d in killed + [live]:
-        os.utime(d, (time.time() - 2 * cache.STALE_BUILD_S,) * 2)
+        os.utime(d, (time.time() - 2 * cache_builds.STALE_BUILD_S,) * 2)
     rc, out, _ = _cli(capsys, "cache", "ls")
     assert "3 build dirs in tmp/ (3 left by killed compiles" in out, out
     fd = os.open(live, os.O_RDONLY)

@@ -14,43 +14,35 @@ the entry directory, as regular files (no link, FIFO or device) of bounded size,
 the binary against its sha256. Anything else is :class:`CorruptEntry`: the compiler rebuilds it,
 ``mori-jit cache verify`` reports it. A hit writes nothing, so a read-only cache serves hits.
 
-A build that was killed leaves its ``tmp/<uuid>/``; the next compile removes those whose process
-is gone (no flock) and that are older than :data:`STALE_BUILD_S`.
+Build directories (``tmp/<uuid>/``) are :mod:`~mori_jit.jit.cache_builds`.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import stat
-import time
 import uuid
 from pathlib import Path
 from typing import Iterator
 
 from . import knobs
-from .cache_layout import (ARCH_DIR_RE, BINARY_NAMES, BUILD_DIR_RE, ENTRY_DIR_RE, FAILED, LOCKS, META_NAME,
-                           SOURCE_NAME, TMP, CacheUnsafeError, check_dir, check_stat, children, classify,
-                           is_marked, is_real_dir, make_dir, dir_mode, write_marker)
+from .cache_layout import (ARCH_DIR_RE, BINARY_NAMES, ENTRY_DIR_RE, FAILED, LOCKS, META_NAME, SOURCE_NAME, TMP,
+                           CacheUnsafeError, check_dir, check_stat, children, classify, is_marked, is_real_dir,
+                           make_dir, write_marker)
 from .toolchain import vendor_of
 
 __all__ = ["Entry", "CorruptEntry", "CacheUnsafeError", "cache_root", "entry_dir", "read_entry", "verify_entry",
-           "entry_problem", "list_entries", "publish", "discard", "build_dir", "build_dirs", "build_dir_state",
-           "sweep_stale_builds", "remove_tree", "lock_path", "keep_failed_source", "writable_root", "sha256_file", "SOURCE_NAME",
-           "META_NAME", "BINARY_NAMES", "STALE_BUILD_S", "MAX_BYTES"]
+           "list_entries", "publish", "discard", "lock_path", "keep_failed_source", "writable_root", "sha256_file",
+           "SOURCE_NAME", "META_NAME", "BINARY_NAMES", "MAX_BYTES"]
 
 #: Size bounds of an entry's files (far above any real one; a bigger file is corrupt, never read).
 MAX_BYTES = {META_NAME: 1 << 16, SOURCE_NAME: 16 << 20, **{b: 256 << 20 for b in BINARY_NAMES.values()}}
-#: A build dir this old whose process holds no flock on it is a killed compile's leftover. Any age
-#: above the instant between a build dir's mkdir and its flock would do; minutes leave room for
-#: the clocks of a network filesystem.
-STALE_BUILD_S = 600.0
 
 
 class CorruptEntry(Exception):
@@ -178,7 +170,7 @@ def _entry_names(path: Path) -> tuple[str, str, str]:
 
 def read_entry(path: Path) -> Entry | None:
     """The entry at ``path``; None if there is none. :class:`CorruptEntry` if the directory exists
-    but is not a whole entry; :class:`~mori_jit.jit.cache_dirs.CacheUnsafeError` if a directory on
+    but is not a whole entry; :class:`~mori_jit.jit.cache_layout.CacheUnsafeError` if a directory on
     the way is one others could write."""
     binary_name, entry, key = _entry_names(path)
     try:
@@ -200,14 +192,6 @@ def read_entry(path: Path) -> Entry | None:
         raise CorruptEntry(f"binary sha256 {sha[:16]}... of {binary_name} does not match {META_NAME} "
                            f"({meta['binary_sha256'][:16]}...)")
     return Entry(path, path / binary_name, meta)
-
-
-def entry_problem(path: Path) -> str | None:
-    """Why the entry at ``path`` is not usable (missing, corrupt, or in an unsafe directory), or None."""
-    try:
-        return None if read_entry(path) is not None else "missing"
-    except (CorruptEntry, CacheUnsafeError) as e:
-        return str(e)
 
 
 def verify_entry(path: Path) -> Entry | None:
@@ -292,64 +276,6 @@ def discard(path: Path) -> None:
     except FileNotFoundError:
         return
     shutil.rmtree(graveyard, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def build_dir() -> Iterator[Path]:
-    """A fresh private directory under ``tmp/`` (on the entries' filesystem, so a finished build is
-    published by one rename), flock-ed while the build runs and removed afterwards unless published."""
-    d = make_dir(writable_root() / TMP) / uuid.uuid4().hex
-    os.mkdir(d, dir_mode())  # (its mode is the published entry's)
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # (released by the kernel if this process dies)
-        yield d
-    finally:
-        if os.path.isdir(d):
-            shutil.rmtree(d, ignore_errors=True)
-        os.close(fd)
-
-
-def build_dir_state(d: Path, now: float | None = None, min_age_s: float = STALE_BUILD_S) -> str:
-    """``"active"`` (a live build holds its flock, or it is younger than ``min_age_s``: too young to
-    tell) or ``"stale"`` (a killed build's leftover)."""
-    try:
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return "active"
-    try:
-        if (now or time.time()) - os.fstat(fd).st_mtime < min_age_s:
-            return "active"
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return "active"
-        return "stale"
-    finally:
-        os.close(fd)
-
-
-def build_dirs() -> list[Path]:
-    """The build directories under ``tmp/`` (live, stale or being deleted)."""
-    return [d for d in children(cache_root() / TMP) if BUILD_DIR_RE.fullmatch(d.name) and is_real_dir(d)]
-
-
-def sweep_stale_builds() -> int:
-    """Remove killed builds' leftovers (see :func:`build_dir_state`); returns how many were removed."""
-    now, removed = time.time(), 0
-    for d in build_dirs():
-        if build_dir_state(d, now) == "stale":
-            shutil.rmtree(d, ignore_errors=True)
-            removed += not d.exists()
-    return removed
-
-
-def remove_tree(p: Path) -> None:
-    """Remove the file or directory tree at ``p``, following no link; errors raise."""
-    if is_real_dir(p):
-        shutil.rmtree(p)  # (refuses a link at the top, unlinks links inside)
-    else:
-        os.unlink(p)
 
 
 def lock_path(key: str) -> Path:

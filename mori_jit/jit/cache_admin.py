@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from . import cache
+from . import cache, cache_builds
 from .cache_layout import CacheUnsafeError, check_dir, children, classify, is_marked
 
 __all__ = ["EntryInfo", "Removal", "scan", "build_dir_counts", "verify", "clear"]
@@ -61,9 +61,9 @@ def scan() -> list[EntryInfo]:
 
 def build_dir_counts() -> tuple[int, int]:
     """(build dirs in ``tmp/``, how many of them are stale: the next compile removes those)."""
-    dirs = cache.build_dirs()
+    dirs = cache_builds.build_dirs()
     now = time.time()
-    return len(dirs), sum(cache.build_dir_state(d, now) == "stale" for d in dirs)
+    return len(dirs), sum(cache_builds.build_dir_state(d, now) == "stale" for d in dirs)
 
 
 def _remove_entry(p: Path, marked: bool) -> None:
@@ -116,12 +116,12 @@ def clear() -> Removal:
     if marked:
         now = time.time()
         for d in contents.builds:
-            if cache.build_dir_state(d, now, min_age_s=_CLEAR_MIN_AGE_S) == "active":
+            if cache_builds.build_dir_state(d, now, min_age_s=_CLEAR_MIN_AGE_S) == "active":
                 out.left.append((d, "a build in progress"))
             else:
-                _try(out, "build dirs", d, lambda d=d: cache.remove_tree(d))
+                _try(out, "build dirs", d, lambda d=d: cache_builds.remove_tree(d))
         for p in contents.bookkeeping:
-            _try(out, "bookkeeping files", p, lambda p=p: cache.remove_tree(p))
+            _try(out, "bookkeeping files", p, lambda p=p: cache_builds.remove_tree(p))
     else:
         out.left += [(p, "not in a root marked as mori-jit's cache")
                      for p in contents.builds + contents.bookkeeping]

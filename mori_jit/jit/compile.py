@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import filelock
 
-from . import cache, knobs
+from . import cache, cache_builds, knobs
 from .key import cache_key, include_hash
 from .paths import kernels_dir, source_root
 from .spec import Spec
@@ -140,11 +140,11 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
         entry = _lookup(res.path)  # another process may have built it meanwhile
         if entry is not None:
             return entry
-        swept = cache.sweep_stale_builds()
+        swept = cache_builds.sweep_stale_builds()
         if swept:
             _log(f"removed {swept} build dirs of killed compiles from {cache.cache_root() / 'tmp'}")
         _log(f"compiling {res.entry_name} for {toolchain.arch}")
-        with cache.build_dir() as tmp:
+        with cache_builds.build_dir() as tmp:
             _compile_into(res, toolchain, tmp)
             cache.publish(tmp, res.path)
     finally:
