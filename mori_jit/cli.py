@@ -421,12 +421,11 @@ def _left_lines(removal, root: Path) -> list[str]:
 
 
 def _builds_note() -> str:
-    from .jit import cache_admin, cache_builds
+    from .jit import cache_admin
     total, stale = cache_admin.build_dir_counts()
     if not total:
         return ""
-    return (f"; {total} build dirs in tmp/ ({stale} left by killed compiles: the next compile removes those "
-            f"older than {cache_builds.STALE_BUILD_S / 60:g} min, 'mori-jit cache clear' any)")
+    return f"; {total} build dirs in tmp/ ({stale} left by killed compiles, which the next compile removes)"
 
 
 def cmd_cache(args) -> int:

@@ -65,7 +65,7 @@ _MARKER_TEXT = (f"{_MARKER_SIGNATURE}\n"
 
 
 class CacheUnsafeError(PermissionError):
-    """A cache directory others could write (or a link where a directory belongs); never used."""
+    """A cache directory others could write, or a link where a directory belongs: such a cache is not used."""
 
 
 def _owner(uid: int) -> str:
@@ -106,9 +106,10 @@ def check_stat(path: Path, st: os.stat_result) -> None:
            "shared cache (read as data, entries still checked)")
     if not foreign:
         fix = f"'chmod go-w {path}', or " + fix
-    raise CacheUnsafeError(f"cache directory {path} is {' and '.join(why)} (owner {_owner(st.st_uid)}, mode "
-                           f"{stat.S_IMODE(st.st_mode):04o}): another user could plant a kernel there that "
-                           f"mori-jit would load. Fix: {fix}")
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}" if foreign else f"owner {_owner(st.st_uid)}, mode " \
+                                                                  f"{stat.S_IMODE(st.st_mode):04o}"
+    raise CacheUnsafeError(f"cache directory {path} is {' and '.join(why)} ({mode}): another user could plant "
+                           f"a kernel there that mori-jit would load. Fix: {fix}")
 
 
 def check_dir(path: Path, *, follow: bool = False) -> None:
