@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 import time
 import traceback
@@ -52,6 +51,17 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
 
 def _parse_sets(items: Sequence[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
@@ -399,93 +409,65 @@ def cmd_precompile(args) -> int:
 # cache
 # ----------------------------------------------------------------------------------------------
 
-_ARCH_DIR_RE = re.compile(r"^(gfx[0-9a-f]{3,5}|sm_[0-9]{2,3}a?)_[A-Za-z0-9._-]+$")
-_AUX_DIRS = ("tmp", "locks", "failed")
-
-
-def _entry_problem(p: Path) -> str | None:
-    """Why entry ``p`` is corrupt, or None if it is whole (what the loader checks, and a bit more)."""
-    from .jit import cache
-    meta_p = p / cache.META_NAME
-    if not meta_p.is_file():
-        return f"{cache.META_NAME} missing"
+def _rel(p: Path, root: Path) -> str:
     try:
-        meta = json.loads(meta_p.read_text())
-    except (OSError, ValueError) as e:
-        return f"{cache.META_NAME} unreadable ({e})"
-    if not isinstance(meta, dict):
-        return f"{cache.META_NAME} is not an object"
-    for k in ("binary", "binary_sha256", "key"):
-        if k not in meta:
-            return f"{cache.META_NAME} lacks {k!r}"
-    if not p.name.endswith("." + str(meta["key"])):
-        return f"directory name does not end with the key in {cache.META_NAME}"
-    binary = p / str(meta["binary"])
-    if not binary.is_file():
-        return f"binary {meta['binary']} missing"
-    sha = cache.sha256_file(binary)
-    if sha != meta["binary_sha256"]:
-        return f"binary sha256 {sha[:16]}... does not match {cache.META_NAME} ({str(meta['binary_sha256'])[:16]}...)"
-    if not (p / cache.SOURCE_NAME).is_file():
-        return f"{cache.SOURCE_NAME} missing"
-    if cache.verify_entry(p) is None:
-        return "rejected by the loader"
-    return None
+        return str(p.relative_to(root))
+    except ValueError:
+        return str(p)
+
+
+def _left_lines(removal, root: Path) -> list[str]:
+    return [f"left     {_rel(p, root)}: {why}" for p, why in removal.left]
+
+
+def _builds_note() -> str:
+    from .jit import cache_admin
+    total, stale = cache_admin.build_dir_counts()
+    if not total:
+        return ""
+    return f"; {total} build dirs in tmp/ ({stale} left by killed compiles, which the next compile removes)"
 
 
 def cmd_cache(args) -> int:
-    """`mori-jit cache path|ls|verify|clear`: inspect or clean the kernel cache."""
-    from .jit import cache
+    """`mori-jit cache path|ls|verify|clear`: inspect or clean the kernel cache (:mod:`mori_jit.jit.cache_admin`)."""
+    from .jit import cache, cache_admin
     root = cache.cache_root()
     if args.action == "path":
         print(root)
         return 0
-    entries = cache.list_entries()
     if args.action == "ls":
-        total = 0
-        for p in entries:
-            try:
-                meta = json.loads((p / cache.META_NAME).read_text())
-                size = (p / meta["binary"]).stat().st_size
-                total += size
-                info = f"{meta.get('spec', '?'):<14} {size:>10} B"
-            except (OSError, ValueError, KeyError, TypeError):
-                info = f"{'?':<14} {'(incomplete)':>12}"
-            print(f"{info}  {p.relative_to(root)}")
-        print(f"{len(entries)} entries, {total / 2**20:.2f} MiB in {root}")
+        infos = cache_admin.scan()
+        for i in infos:
+            what = f"{i.spec:<14} {i.size:>10} B" if i.problem is None else f"{'?':<14} {'(corrupt)':>12}"
+            print(f"{what}  {_rel(i.path, root)}")
+        total = sum(i.size for i in infos if i.size is not None)
+        bad = sum(i.problem is not None for i in infos)
+        print(f"{len(infos)} entries{f' ({bad} corrupt)' if bad else ''}, {total / 2**20:.2f} MiB in {root}"
+              f"{_builds_note()}")
         return 0
     if args.action == "verify":
-        bad = []
-        for p in entries:
-            why = _entry_problem(p)
-            if why is not None:
-                bad.append(p)
-                print(f"corrupt  {p.relative_to(root)}: {why}")
-                if args.remove:
-                    cache.discard(p)
-        tmp = root / "tmp"
-        leftovers = len(list(tmp.iterdir())) if tmp.is_dir() else 0
-        extra = f"; {leftovers} leftover build dirs in tmp/ ('mori-jit cache clear' removes them)" if leftovers else ""
-        print(f"verified {len(entries)} entries in {root}: {len(entries) - len(bad)} ok, {len(bad)} corrupt"
-              f"{' (removed)' if bad and args.remove else ''}{extra}")
+        infos, removal = cache_admin.verify(remove=args.remove)
+        bad = [i for i in infos if i.problem is not None]
+        for i in bad:
+            print(f"corrupt  {_rel(i.path, root)}: {i.problem}")
+        for line in _left_lines(removal, root):
+            print(line)
+        removed = removal.removed.get("entries", 0)
+        print(f"verified {len(infos)} entries in {root}: {len(infos) - len(bad)} ok, {len(bad)} corrupt"
+              f"{f' ({removed} removed)' if args.remove else ''}{_builds_note()}")
         if bad and not args.remove:
             raise CliError(f"{len(bad)} corrupt cache entries (they are rebuilt on next use; "
                            f"'mori-jit cache verify --remove' deletes them)")
+        if removal.left:
+            raise CliError(f"{len(removal.left)} corrupt entries could not be removed (listed above)")
         return 0
     if args.action == "clear":
-        removed = 0
-        kept = []
-        if root.is_dir():
-            for d in sorted(root.iterdir()):
-                if d.is_dir() and _ARCH_DIR_RE.match(d.name):
-                    removed += sum(1 for p in d.iterdir() if p.name.startswith("kernel."))
-                    shutil.rmtree(d)
-                elif d.is_dir() and d.name in _AUX_DIRS:
-                    shutil.rmtree(d)
-                else:
-                    kept.append(d.name)
-        note = f" (left {len(kept)} unrecognised items: {', '.join(kept)})" if kept else ""
-        print(f"removed {removed} entries from {root}{note}")
+        removal = cache_admin.clear()
+        for line in _left_lines(removal, root):
+            print(line)
+        done = ", ".join(f"{n} {kind}" for kind, n in removal.removed.items()) or "nothing"
+        note = f"; left {len(removal.left)} items (listed above)" if removal.left else ""
+        print(f"removed {done} from {root}{note}")
         return 0
     raise CliError(f"unknown cache action {args.action!r}")  # pragma: no cover - argparse checks choices
 
@@ -520,7 +502,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("precompile", help="compile everything the shipped specs need for one arch")
     arch_opt(sp)
-    sp.add_argument("-j", "--jobs", type=int, default=0, help="parallel compiles (default: CPU count)")
+    sp.add_argument("-j", "--jobs", type=_positive_int, default=None, help="parallel compiles (default: CPU count)")
     sp.add_argument("--ep", action="extend", nargs="+", metavar="KEY=VALUE", default=[],
                     help="EP op configuration to precompile variants for (see precompile_targets)")
     sp.set_defaults(fn=cmd_precompile)

@@ -201,13 +201,14 @@ def test_cache_path_ls_verify_clear(fake_cc, capsys):
     assert_one_line_error(rc, err, "1 corrupt cache entries")
     assert f"corrupt  {victim.relative_to(cache.cache_root())}" in out and victim.exists()
     rc, out, _ = run(capsys, "cache", "verify", "--remove")
-    assert rc == 0 and "(removed)" in out and not victim.exists()
-    # clear removes everything of ours, with the count, and leaves foreign files alone
+    assert rc == 0 and "(1 removed)" in out and not victim.exists()
+    # clear removes everything of ours, with the count, and leaves foreign files alone, listed
     (cache.cache_root() / "README.mine").write_text("not ours")
     (cache.cache_root() / "tmp" / "leftover").mkdir(parents=True, exist_ok=True)
     rc, out, _ = run(capsys, "cache", "clear")
-    assert rc == 0 and out.startswith(f"removed 1 entries from {cache.cache_root()}")
-    assert cache.list_entries() == [] and not (cache.cache_root() / "tmp").exists()
+    assert rc == 0 and f"removed 1 entries, 2 bookkeeping files from {cache.cache_root()}; left 2 items" in out
+    assert "left     README.mine: not made by mori-jit" in out and "left     tmp/leftover: not made" in out
+    assert cache.list_entries() == [] and (cache.cache_root() / "tmp" / "leftover").is_dir()
     assert (cache.cache_root() / "README.mine").exists()
 
 
@@ -216,7 +217,7 @@ def test_cache_verify_reports_meta_problems(fake_cc, capsys):
     entry = cache.list_entries()[0]
     (entry / cache.META_NAME).write_text("[1, 2]")
     rc, out, err = run(capsys, "cache", "verify")
-    assert rc == 1 and "meta.json is not an object" in out
+    assert rc == 1 and "meta.json is not a JSON object" in out
 
 
 # -- bad input: non-zero, one line, no traceback --------------------------------------------------
@@ -235,7 +236,7 @@ def test_cache_verify_reports_meta_problems(fake_cc, capsys):
     ([], "required"),
     (["render"], "required: spec"),
     (["cache", "zap"], "invalid choice: 'zap'"),
-    (["precompile", "-j", "many"], "invalid int value"),
+    (["precompile", "-j", "many"], "-j/--jobs: expected an int >= 1"),
 ])
 def test_bad_input_one_line(fake_cc, capsys, argv, fragment):
     rc, _, err = run(capsys, *argv)

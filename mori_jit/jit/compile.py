@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any, Sequence
 
 import filelock
 
-from . import cache, knobs
+from . import cache, cache_builds, knobs
 from .key import cache_key, include_hash
 from .paths import kernels_dir, source_root
 from .spec import Spec
@@ -79,7 +78,7 @@ def _log(msg: str, level: int = 1) -> None:
 def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
     src = tmp / cache.SOURCE_NAME
     src.write_text(res.source)
-    binary = tmp / f"kernel.{toolchain.binary_ext}"
+    binary = tmp / cache.BINARY_NAMES[toolchain.vendor]
     cmd = toolchain.command(src, binary, [kernels_dir()])
     _log(" ".join(cmd), 2)
     t0 = time.perf_counter()
@@ -89,12 +88,7 @@ def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
     except OSError as e:
         rc, err = -1, str(e)
     if rc != 0 or not binary.is_file() or binary.stat().st_size == 0:
-        kept = None
-        if knobs.keep_failed():
-            kept = cache.cache_root() / "failed" / f"{res.entry_name}.{res.key[:16]}"
-            kept.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, kept / cache.SOURCE_NAME)
-            kept = kept / cache.SOURCE_NAME
+        kept = cache.keep_failed_source(res.entry_name, res.key, src) if knobs.keep_failed() else None
         raise CompileError(res.spec, cmd, rc, err or "(no output; empty binary)", kept)
     meta = {"spec": res.spec, "entry": res.entry_name, "key": res.key, "arch": toolchain.arch,
             "nic": toolchain.nic, "binary": binary.name, "binary_sha256": cache.sha256_file(binary),
@@ -102,46 +96,66 @@ def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
     (tmp / cache.META_NAME).write_text(json.dumps(meta, indent=1))
 
 
-def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | None = None) -> cache.Entry:
-    """The verified entry for ``cfg``, compiling it on a miss (or when the entry is corrupt)."""
-    res = resolved or resolve(spec, cfg, toolchain)
-    entry = cache.verify_entry(res.path)
-    if entry is not None:
-        _log(f"hit {res.path.name}", 2)
-        return entry
-    lock_path = cache.cache_root() / "locks" / f"{res.key}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
+def _lookup(path: Path) -> cache.Entry | None:
+    """The entry at ``path``; None if missing; a corrupt one is reported, removed and None."""
+    try:
+        return cache.read_entry(path)
+    except cache.CorruptEntry as e:
+        _log(f"corrupt cache entry {path}: {e}; rebuilding it", 0)
+        cache.discard(path)
+        return None
+
+
+def _acquire(lock_path: Path) -> filelock.FileLock | None:
+    """The per-key lock, or None when it cannot be had in time (or at all, as in a cache another
+    user's lock files fill): it only saves duplicate compiles, the atomic publish keeps the cache right."""
     lock = filelock.FileLock(str(lock_path), timeout=knobs.lock_timeout_s())
     try:
         lock.acquire()
-        locked = True
     except filelock.Timeout:
         _log(f"lock {lock_path} still held after {knobs.lock_timeout_s()}s; compiling anyway")
-        locked = False
+        return None
+    except OSError as e:
+        _log(f"lock {lock_path} unusable ({e.strerror or e}); compiling without it")
+        return None
+    return lock
+
+
+def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | None = None) -> cache.Entry:
+    """The verified entry for ``cfg``, compiling it on a miss (or when the entry is corrupt).
+
+    A hit only reads the cache. A corrupt entry is reported on stderr and rebuilt. Raises
+    :class:`~mori_jit.jit.cache.CacheUnsafeError` for a cache directory others could write.
+    """
+    res = resolved or resolve(spec, cfg, toolchain)
     try:
-        # Look before verifying: an entry that appears between the two checks was just published by
-        # another process (whose lock wait timed out) and must not be taken for a corrupt one.
-        existed = res.path.exists()
-        entry = cache.verify_entry(res.path)  # another process may have built it meanwhile
+        entry = cache.read_entry(res.path)
+    except cache.CorruptEntry:
+        entry = None  # looked at again under the lock (another process may be replacing it)
+    if entry is not None:
+        _log(f"hit {res.path.name}", 2)
+        return entry
+    lock = _acquire(cache.lock_path(res.key))
+    try:
+        entry = _lookup(res.path)  # another process may have built it meanwhile
         if entry is not None:
             return entry
-        if existed:
-            _log(f"corrupt entry {res.path}: rebuilding")
-            cache.discard(res.path)
+        swept = cache_builds.sweep_stale_builds()
+        if swept:
+            _log(f"removed {swept} build dirs of killed compiles from {cache.cache_root() / 'tmp'}")
         _log(f"compiling {res.entry_name} for {toolchain.arch}")
-        tmp = cache.new_tmp_dir()
-        try:
+        with cache_builds.build_dir() as tmp:
             _compile_into(res, toolchain, tmp)
             cache.publish(tmp, res.path)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        if locked:
+        if lock is not None:
             lock.release()
-    entry = cache.verify_entry(res.path)
+    try:
+        entry = cache.read_entry(res.path)
+    except cache.CorruptEntry as e:
+        raise RuntimeError(f"cache entry {res.path} failed verification right after publishing: {e}") from None
     if entry is None:
-        raise RuntimeError(f"cache entry {res.path} failed verification right after publishing")
+        raise RuntimeError(f"cache entry {res.path} vanished right after publishing")
     return entry
 
 

@@ -10,7 +10,9 @@ class, so no other list of fields exists anywhere:
 * :func:`describe` / :func:`request_schema` — JSON-able views for the CLI and users,
 * :func:`apply_request` — name → value overrides, with errors naming the valid fields.
 
-Field kinds are ``int``, ``bool`` and :class:`CEnum` subclasses.
+Field kinds are ``int``, ``bool`` and :class:`CEnum` subclasses. An ``int`` field is a C++ ``int``:
+a value outside :data:`CPP_INT_RANGE` is refused (by :func:`coerce_field` and :func:`render_cfg`),
+never rendered into a translation unit that would wrap it.
 """
 from __future__ import annotations
 
@@ -21,8 +23,11 @@ from typing import Any, Mapping
 
 __all__ = [
     "CEnum", "CConst", "FieldInfo", "ConfigError", "cfg_fields", "render_cfg", "describe", "request_schema",
-    "apply_request", "cpp_struct", "cpp_enum", "cpp_consts", "coerce_field",
+    "apply_request", "cpp_struct", "cpp_enum", "cpp_consts", "coerce_field", "CPP_INT_RANGE", "check_ranges",
 ]
+
+#: The values a C++ ``int`` holds (the type an ``int`` field is declared with in C++).
+CPP_INT_RANGE = (-(1 << 31), (1 << 31) - 1)
 
 
 class ConfigError(ValueError):
@@ -104,6 +109,18 @@ def _cpp_value(value: Any) -> str:
     return str(int(value))
 
 
+def _short_int(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...{text[-6:]} ({len(text)} digits)"
+
+
+def _check_int(value: int) -> int:
+    lo, hi = CPP_INT_RANGE
+    if not lo <= value <= hi:
+        raise ConfigError(f"{_short_int(value)} is outside the C++ int range [{lo}, {hi}]")
+    return value
+
+
 def coerce_field(info: FieldInfo, value: Any, owner: str = "") -> Any:
     """Convert ``value`` to the field's kind or raise :class:`ConfigError` naming the field."""
     where = f"{owner}.{info.name}" if owner else info.name
@@ -121,16 +138,29 @@ def coerce_field(info: FieldInfo, value: Any, owner: str = "") -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{value!r} is a bool, expected an int")
         if isinstance(value, str):
-            return int(value, 0)
+            return _check_int(int(value, 0))
         if isinstance(value, int):
-            return value
+            return _check_int(value)
         raise ConfigError(f"{value!r} is not an int")
     except (ConfigError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def check_ranges(cfg: Any) -> None:
+    """Raise :class:`ConfigError` naming the first ``int`` field of ``cfg`` outside :data:`CPP_INT_RANGE`."""
+    for fi in cfg_fields(cfg):
+        value = getattr(cfg, fi.name)
+        if fi.kind is int and not isinstance(value, bool) and isinstance(value, int):
+            try:
+                _check_int(value)
+            except ConfigError as e:
+                raise ConfigError(f"{type(cfg).__name__}.{fi.name}: {e}") from None
+
+
 def render_cfg(cfg: Any) -> str:
-    """``EpCfg{.hiddenDim=2048, .dtype=EpDType::Fp8}``: only non-default fields, declaration order."""
+    """``EpCfg{.hiddenDim=2048, .dtype=EpDType::Fp8}``: only non-default fields, declaration order.
+    A value a C++ ``int`` cannot hold is a :class:`ConfigError` (:func:`check_ranges`)."""
+    check_ranges(cfg)
     parts = [f".{fi.name}={_cpp_value(getattr(cfg, fi.name))}" for fi in cfg_fields(cfg)
              if getattr(cfg, fi.name) != fi.default]
     return f"{type(cfg).__name__}{{{', '.join(parts)}}}"

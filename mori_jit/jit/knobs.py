@@ -7,12 +7,13 @@ enter the cache key (arch, compiler signature, flags, NIC).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from pathlib import Path
 
 __all__ = [
     "jit_arch", "hipcc_path", "nvcc_path", "rocm_path", "cuda_home", "source_root", "cache_dir",
-    "extra_flags", "device_nic", "verbose", "keep_failed", "lock_timeout_s", "kernel_backend",
+    "shared_cache", "extra_flags", "device_nic", "verbose", "keep_failed", "lock_timeout_s", "kernel_backend",
     "ep_timeout_s", "ep_geometry_overrides",
 ]
 
@@ -77,6 +78,14 @@ def cache_dir() -> Path:
     return Path(v).expanduser() if v else Path.home() / ".mori" / "jit"
 
 
+def shared_cache() -> bool:
+    """``MORI_JIT_SHARED_CACHE`` (default off): use a cache directory that other users own or may
+    write (a team's cache). Without it such a directory is refused: a file planted there would be
+    loaded as a kernel. With it the cache is read as data only (names, sizes and sha256 are still
+    checked; nothing in it is executed or unpickled on the host), and it may be read-only."""
+    return _bool("MORI_JIT_SHARED_CACHE")
+
+
 def extra_flags() -> tuple[str, ...]:
     """``MORI_JIT_EXTRA_FLAGS``: extra compiler flags (shell-split); they enter the key."""
     v = _get("MORI_JIT_EXTRA_FLAGS")
@@ -86,7 +95,7 @@ def extra_flags() -> tuple[str, ...]:
 def device_nic() -> str:
     """``MORI_DEVICE_NIC`` (default ``none``); enters the key and the cache directory name."""
     v = _get("MORI_DEVICE_NIC") or "none"
-    if not all(ch.isalnum() or ch in "-_." for ch in v):
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", v):
         raise ValueError(f"MORI_DEVICE_NIC={v!r}: only letters, digits, '-', '_' and '.' are allowed")
     return v
 

@@ -214,7 +214,7 @@ def _prepare_miss(spec: Spec, cfg: Any, tc: Toolchain, dev: int, key: tuple) -> 
         mkey = (dev, str(entry.path))
         module = _MODULES.get(mkey)
         if module is None:
-            module = _MODULES[mkey] = rt.load_module(entry.binary.read_bytes(), dev)
+            module = _MODULES[mkey] = rt.load_module(entry.read_binary(), dev)
         fn = rt.get_function(module, name)
         geom = spec.geometry(cfg)
         rt.configure(fn, as_dim3(geom.block), int(geom.shared_bytes), dev)

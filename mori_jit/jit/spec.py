@@ -15,11 +15,8 @@ import dataclasses
 import functools
 from typing import Any, Mapping
 
-from pathlib import Path
-
 import jinja2
 
-from . import knobs
 from .args import ArgsSchema
 from .fields import apply_request, describe, render_cfg
 from .paths import templates_dir
@@ -43,17 +40,11 @@ def platform_header(toolchain: Toolchain) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _jinja_env(tdir: str, bytecode_dir: str) -> jinja2.Environment:
-    # The bytecode cache only skips re-parsing templates in a fresh process (Jinja checks the
-    # template's source); the rendered text, which is what gets hashed, is unchanged.
-    try:
-        Path(bytecode_dir).mkdir(parents=True, exist_ok=True)
-        bcc = jinja2.FileSystemBytecodeCache(bytecode_dir)
-    except OSError:
-        bcc = None
+def _jinja_env(tdir: str) -> jinja2.Environment:
+    # No bytecode cache on disk: Jinja unpickles it, so a file planted there would run as the user,
+    # and parsing the templates costs about 3 ms per process (a cached one about 1 ms).
     return jinja2.Environment(loader=jinja2.FileSystemLoader(tdir), undefined=jinja2.StrictUndefined,
-                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
-                              bytecode_cache=bcc)
+                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
 
 
 class Spec(abc.ABC):
@@ -106,7 +97,7 @@ class Spec(abc.ABC):
         """The complete translation unit for ``cfg`` on ``toolchain.arch``."""
         if type(cfg) is not self.cfg_type:
             raise TypeError(f"{self.name}: expected a {self.cfg_type.__name__}, got {type(cfg).__name__}")
-        tmpl = _jinja_env(str(templates_dir()), str(knobs.cache_dir() / "jinja")).get_template(self.template)
+        tmpl = _jinja_env(str(templates_dir())).get_template(self.template)
         return tmpl.render(spec=self.name, arch=toolchain.arch, vendor=toolchain.vendor,
                            platform_header=platform_header(toolchain), cfg=render_cfg(cfg),
                            cfg_type=self.cfg_type.__name__, args_type=self.args.name,

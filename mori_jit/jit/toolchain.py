@@ -23,19 +23,22 @@ from pathlib import Path
 from . import knobs
 
 __all__ = ["Toolchain", "ToolchainError", "make_toolchain", "get_toolchain", "set_arch_override",
-           "detect_arch", "has_bulk_copy", "vendor_of", "wave_size_for_arch"]
+           "detect_arch", "has_bulk_copy", "vendor_of", "wave_size_for_arch", "ARCH_PATTERN"]
 
 
 class ToolchainError(RuntimeError):
     """No usable compiler or arch; the message says what was tried."""
 
 
-_ARCH_RE = re.compile(r"^(gfx[0-9a-f]{3,5}|sm_[0-9]{2,3}a?)$")
+#: The arch names mori-jit builds for (matched whole: ``re.fullmatch``, never ``$``, which lets a
+#: trailing newline through).
+ARCH_PATTERN = r"gfx[0-9a-f]{3,5}|sm_[0-9]{2,3}a?"
+_ARCH_RE = re.compile(ARCH_PATTERN)
 
 
 def vendor_of(arch: str) -> str:
     """``amd`` for ``gfx*``, ``nvidia`` for ``sm_*``; anything else is an error naming the forms."""
-    if not _ARCH_RE.match(arch or ""):
+    if not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch):
         raise ToolchainError(f"arch {arch!r} is not supported; expected gfx<id> (e.g. gfx90a, gfx942) "
                              f"or sm_<cc>[a] (e.g. sm_90a)")
     return "amd" if arch.startswith("gfx") else "nvidia"

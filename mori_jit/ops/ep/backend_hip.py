@@ -19,11 +19,11 @@ from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
-from .cfg import (COMBINE, DISPATCH, EP_ARGS, EP_MAX_PEERS, EP_REGIONS, CombWord, EpMaxRecv, ErrCode, FlagUnit,
+from .cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, CombWord, EpMaxRecv, ErrCode, FlagUnit,
                   WaitId, region_bytes)
 from .config import EpDispatchCombineConfig
-from .op import EpDeviceError, EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
-from .variants import ep_variants, plan_requests
+from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
+from .variants import ep_variants, hip_gaps, plan_requests
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSAGES", "decode_error"]
 
@@ -128,13 +128,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
     """EP op on the JIT kernels."""
 
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
-        missing = gather_unquantized_gaps(cfg)
-        if cfg.scale_dim or cfg.scale_type_size:
-            missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
-        if cfg.is_internode:
-            missing.append(f"internode (gpu_per_node={cfg.gpu_per_node} < world_size={cfg.world_size})")
-        if cfg.world_size > EP_MAX_PEERS:
-            missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS}")
+        missing = hip_gaps(cfg)  # (shared with mori-jit precompile --ep)
         if not torch.cuda.is_available():
             missing.append("a CUDA/ROCm device (none visible)")
         return missing

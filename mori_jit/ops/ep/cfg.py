@@ -19,12 +19,15 @@ from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
-           "EP_REGIONS", "EP_MAX_PEERS", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "make_ep_cfg", "region_bytes",
+           "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
            "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
 EP_MAX_PEERS = 8
+#: Bytes of the vectors the kernels move rows in: a token row is whole vectors (every backend
+#: refuses other hidden sizes, see config.py, so that one config is valid for all).
+EP_ROW_ALIGN = 16
 #: Most threads in one block, on every supported arch.
 EP_MAX_BLOCK_THREADS = 1024
 #: Most dynamic shared memory for a dispatch block's bulk-copy stages: sm_90's 227 KiB per block
@@ -212,7 +215,7 @@ _RULES: list[tuple[Any, str]] = [
     (C.worldSize <= EP_MAX_PEERS, f"worldSize must be <= {EP_MAX_PEERS} (intranode)"),
     (C.worldSize <= C.waveSize, "worldSize must fit in one wavefront/warp"),
     (C.hiddenDim >= 1, "hiddenDim must be >= 1"),
-    ((EpTokenBytes % 16).eq(0), "token bytes (hiddenDim * element bytes) must be a multiple of 16"),
+    ((EpTokenBytes % EP_ROW_ALIGN).eq(0), f"token bytes (hiddenDim * element bytes) must be a multiple of {EP_ROW_ALIGN}"),
     (C.maxTokPerRank >= 1, "maxTokPerRank must be >= 1"),
     (C.numExpertPerRank >= 1, "numExpertPerRank must be >= 1"),
     (C.numExpertPerToken >= 1, "numExpertPerToken must be >= 1"),

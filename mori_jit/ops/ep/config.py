@@ -126,6 +126,7 @@ class EpDispatchCombineConfig:
                         not (b[0] is None or (isinstance(b[0], int) and b[0] >= 1)):
                     raise ValueError(f"EpDispatchCombineConfig.schedule bucket {b!r}: expected "
                                      f"(max_tokens|None, disp_blocks, disp_warps, comb_blocks, comb_warps), ints >= 1")
+        _check_kernel_rules(self)
 
     @property
     def dispatch_dtype(self) -> torch.dtype:
@@ -158,3 +159,30 @@ class EpDispatchCombineConfig:
         if name not in BACKENDS:
             raise ValueError(f"MORI_V2_KERNEL_BACKEND={name!r}: allowed {BACKENDS}")
         return name
+
+
+def _check_kernel_rules(cfg: EpDispatchCombineConfig) -> None:
+    """The rules of the data the kernels move, applied by every backend (a config one backend takes,
+    all take): each count fits the kernels' C++ int, a token row is whole vectors of
+    ``EP_ROW_ALIGN`` bytes on both legs, and top-k picks that many distinct experts."""
+    from types import SimpleNamespace
+
+    from mori_jit.jit.fields import CPP_INT_RANGE
+
+    from .cfg import EP_ROW_ALIGN, EpDType, EpTokenBytes
+    hi = CPP_INT_RANGE[1]
+    for f in ("world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
+              "num_experts_per_token", "max_total_recv_tokens", "scale_dim", "scale_type_size"):
+        if getattr(cfg, f) > hi:
+            raise ValueError(f"EpDispatchCombineConfig.{f}={getattr(cfg, f)}: above {hi}, the largest C++ int "
+                             f"the kernels take")
+    for leg, dtype in (("dispatch", cfg.dispatch_dtype), ("combine", cfg.combine_dtype)):
+        row = EpTokenBytes(SimpleNamespace(hiddenDim=cfg.hidden_dim, dtype=EpDType.coerce(dtype)))
+        if row % EP_ROW_ALIGN:
+            raise ValueError(f"EpDispatchCombineConfig.hidden_dim={cfg.hidden_dim}: a {leg} row of {dtype} is "
+                             f"{row} bytes, not a multiple of {EP_ROW_ALIGN} (rows move as {EP_ROW_ALIGN}-byte "
+                             f"vectors); use a hidden_dim that makes it one")
+    if cfg.num_experts_per_token > cfg.num_experts:
+        raise ValueError(f"EpDispatchCombineConfig.num_experts_per_token={cfg.num_experts_per_token}: more than the "
+                         f"{cfg.num_experts} experts (num_experts_per_rank={cfg.num_experts_per_rank} x "
+                         f"world_size={cfg.world_size}); top-k picks distinct experts")

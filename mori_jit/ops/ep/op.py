@@ -138,6 +138,8 @@ class EpDispatchCombineOp(abc.ABC):
     """
 
     def __new__(cls, cfg: EpDispatchCombineConfig, group=None):
+        if not isinstance(cfg, EpDispatchCombineConfig):  # (before cfg.backend() is asked of it)
+            raise TypeError(f"cfg: expected an EpDispatchCombineConfig, got {type(cfg).__name__}")
         if cls is EpDispatchCombineOp:
             cls = _backend_class(cfg.backend())
         return super().__new__(cls)
@@ -289,7 +291,8 @@ class EpDispatchCombineOp(abc.ABC):
         """
         k = self._live()
         cfg, dev, dtype = self.cfg, self.device, self._comb_dtype
-        if routing is None or getattr(routing, "op_id", None) not in (None, self._id):
+        if (routing is None or getattr(routing, "op_id", None) not in (None, self._id)
+                or not hasattr(routing, "num_tokens")):
             raise ValueError("routing: expected the routing returned by this op's dispatch(return_routing=True)")
         if not isinstance(input, torch.Tensor) or input.dim() != 2:
             raise ValueError(f"input: expected a 2-D tensor [rows, {cfg.hidden_dim}]")

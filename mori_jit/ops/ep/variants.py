@@ -11,17 +11,36 @@ import types
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
+from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
 from .config import EpDispatchCombineConfig
+from .op import gather_unquantized_gaps
 from .hip_tuning import (BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, Schedule, lookup,
                          schedule_from_buckets)
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
-           "config_from_strings", "precompile_targets"]
+           "config_from_strings", "precompile_targets", "hip_gaps"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
 DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
                    "gfx942": 304, "gfx950": 256}
+
+
+def hip_gaps(cfg: EpDispatchCombineConfig) -> list[str]:
+    """What the ``hip`` op's kernels cannot do for ``cfg`` (empty = they can); the live op adds the
+    device check, ``mori-jit precompile --ep`` refuses the same configs."""
+    missing = gather_unquantized_gaps(cfg)
+    if cfg.scale_dim or cfg.scale_type_size:
+        missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
+    if cfg.is_internode:
+        missing.append(f"internode (gpu_per_node={cfg.gpu_per_node} < world_size={cfg.world_size})")
+    if cfg.world_size > EP_MAX_PEERS:
+        missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS}")
+    return missing
+
+
+def _check_num_cus(num_cus) -> None:
+    if isinstance(num_cus, bool) or not isinstance(num_cus, int) or num_cus < 1:
+        raise ConfigError(f"num_cus={num_cus!r}: expected the device's CU/SM count, an int >= 1")
 
 
 def ep_dtype(torch_dtype) -> EpDType:
@@ -109,6 +128,7 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
     """Every EpCfg the op for ``cfg`` on ``arch`` launches, by bucket, on a device of ``num_cus``
     CUs/SMs that ``ranks_per_device`` ranks of the group share (each sizes its grids to its share).
     A geometry pin beyond the share raises ConfigError."""
+    _check_num_cus(num_cus)
     if ranks_per_device < 1:
         raise ConfigError(f"ranks_per_device={ranks_per_device}: expected >= 1")
     low = combine_low_latency(cfg, arch)
@@ -181,6 +201,7 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
         try:
             if key == "num_cus":
                 num_cus = int(raw, 0)
+                _check_num_cus(num_cus)
             elif key not in fields:
                 raise ConfigError(f"unknown EP config field {key!r}; valid: num_cus, {', '.join(fields)}")
             elif key.endswith("data_type"):
@@ -207,8 +228,12 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
 
 
 def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
-    """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op."""
+    """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op. A
+    config the live op refuses (:func:`hip_gaps`) is refused here too."""
     cfg, num_cus = config_from_strings(request)
+    gaps = hip_gaps(cfg)
+    if gaps:
+        raise ConfigError(f"--ep: the hip op does not support: {'; '.join(gaps)}")
     if num_cus is None:
         num_cus = DEFAULT_NUM_CUS.get(arch)
         if num_cus is None:
