@@ -267,7 +267,7 @@ def cmd_info(args) -> int:
     out += _compilers_lines()
     if arch is None:
         pre, pre_why = _resolve_arch(None, from_compiler=True)
-        out.append(f"precompile:  {'builds for ' + pre + ' (from ' + pre_why + ')' if pre else 'has no compiler to use'}")
+        out.append(f"precompile:  builds for {pre} (from {pre_why})" if pre else "precompile:  has no compiler to use")
     out.append(f"source root: {_source_root_line()}")
     try:
         stale = stale_headers(kernels_dir())

@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch/combine (docs/design.md, "The EP op").
+"""Expert-parallel dispatch/combine (docs/design.md §6).
 
 Importing this package imports neither torch nor a backend: the spec registry walks it to find
 ``specs.py``, and the CLI verbs that only render or key a kernel must start without torch. The public
