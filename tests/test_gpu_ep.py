@@ -1,4 +1,4 @@
-"""GPU tests of the ``hip`` EP backend (run on the device machine: ``pytest -m gpu``).
+"""GPU tests of the ``hip`` EP backend (on a GPU machine: ``pytest -m gpu``).
 
 Every check is the golden check of docs/design.md §6 on fresh random data, with outputs poisoned first.
 One process per visible GPU (NCCL); with one GPU the op runs at world size 1.
