@@ -11,7 +11,8 @@ Verbs (``mori-jit <verb> --help`` for each)::
     mori-jit cache path|ls|verify|clear
 
 ``--arch`` builds a toolchain for that arch (:func:`~mori_jit.jit.toolchain.make_toolchain`, no
-process-wide state); without it the arch is ``MORI_JIT_ARCH``, else the current device. ``--set``
+process-wide state); without it the arch is ``MORI_JIT_ARCH``, else the current device, and for
+``precompile`` on a machine without a GPU the installed compiler's (nvcc: sm_90a, hipcc: gfx90a). ``--set``
 values go through ``spec.make_cfg(toolchain, request)`` (numeric strings and enum names are coerced
 there). Bad input exits non-zero with one ``mori-jit: error: ...`` line on stderr and no traceback
 (``MORI_JIT_VERBOSE=2`` shows it).
@@ -26,6 +27,7 @@ import sys
 import time
 import traceback
 import types
+import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Sequence
@@ -73,10 +75,14 @@ def _parse_sets(items: Sequence[str] | None) -> dict[str, str]:
     return out
 
 
-def _resolve_arch(arch: str | None) -> tuple[str | None, str]:
-    """(arch, where it came from) or (None, why none is resolvable)."""
-    from .jit import knobs
-    from .jit.toolchain import ToolchainError, detect_arch
+def _resolve_arch(arch: str | None, *, from_compiler: bool = False) -> tuple[str | None, str]:
+    """(arch, where it came from) or (None, why none is resolvable).
+
+    The order is ``--arch``, ``MORI_JIT_ARCH``, the current device, and with ``from_compiler`` the
+    default arch of the installed compiler (``precompile`` on a build machine without a GPU).
+    """
+    from .jit import knobs, toolchain
+    from .jit.toolchain import ToolchainError, compiler_default_arch, detect_arch
     if arch:
         return arch, "--arch"
     env = knobs.jit_arch()
@@ -85,24 +91,31 @@ def _resolve_arch(arch: str | None) -> tuple[str | None, str]:
     try:
         return detect_arch(), "current device"
     except ToolchainError as e:
-        return None, str(e)
+        no_device = str(e).rstrip(".")
+    if not from_compiler:
+        return None, no_device
+    try:
+        found, compiler = compiler_default_arch()
+    except ToolchainError as e:
+        return None, f"{no_device}; {e}"
+    return found, f"the {toolchain.COMPILER_NAME[toolchain.vendor_of(found)]} at {compiler}, as no GPU is visible"
 
 
-def _arch_or_error(arch: str | None) -> str:
-    resolved, why = _resolve_arch(arch)
+def _arch_or_error(arch: str | None, *, from_compiler: bool = False) -> str:
+    resolved, why = _resolve_arch(arch, from_compiler=from_compiler)
     if resolved is None:
         raise CliError(f"no arch: {why.rstrip('.')}; or pass --arch (e.g. --arch gfx90a, --arch sm_90a)")
     return resolved
 
 
-def _toolchain(arch: str | None, *, need_compiler: bool = True):
-    """The toolchain for ``--arch`` / MORI_JIT_ARCH / the device.
+def _toolchain(arch: str | None, *, need_compiler: bool = True, from_compiler: bool = False):
+    """The toolchain for ``--arch`` / MORI_JIT_ARCH / the device (/ the installed compiler).
 
     Rendering never runs the compiler, so ``render``/``describe`` work without one
     (``need_compiler=False`` gives a toolchain with an empty compiler and signature).
     """
     from .jit import knobs, toolchain as tcmod
-    a = _arch_or_error(arch)
+    a = _arch_or_error(arch, from_compiler=from_compiler)
     try:
         return tcmod.make_toolchain(a)
     except tcmod.ToolchainError:
@@ -221,6 +234,19 @@ def _source_root_line() -> str:
     return f"{root} ({origin})"
 
 
+def _compilers_lines() -> list[str]:
+    """One line per vendor: the compiler found, or that it is missing and how to get it."""
+    from .jit import toolchain as tcmod
+    out = []
+    for vendor, tool in tcmod.COMPILER_NAME.items():
+        try:
+            found = tcmod.find_compiler(vendor)
+        except tcmod.ToolchainError as e:
+            found = f"(missing: {e})"
+        out.append(f"{tool + ':':<12} {found}")
+    return out
+
+
 def cmd_info(args) -> int:
     """`mori-jit info`: version, arch, compiler and flags, source root, header freshness, cache,
     specs, and the environment variables mori-jit reads."""
@@ -234,12 +260,6 @@ def cmd_info(args) -> int:
     out.append(f"mori-jit {_version()} (python {sys.version.split()[0]})")
     if arch is None:
         out.append(f"arch:        (none resolvable: {why.rstrip('.')}; or pass --arch)")
-        for vendor, tool in (("amd", "hipcc"), ("nvidia", "nvcc")):
-            try:
-                found = tcmod._find_compiler(vendor)
-            except tcmod.ToolchainError as e:
-                found = f"(not found: {e})"
-            out.append(f"{tool + ':':<12} {found}")
     else:
         vendor = tcmod.vendor_of(arch)  # bad --arch is an error
         out.append(f"arch:        {arch} (from {why}; vendor {vendor}, wave size {tcmod.wave_size_for_arch(arch)})")
@@ -254,6 +274,10 @@ def cmd_info(args) -> int:
             out.append(f"output:      kernel.{tc.binary_ext}")
             out.append("signature:")
             out += [f"    {ln}" for ln in tc.signature.rstrip().splitlines()]
+    out += _compilers_lines()
+    if arch is None:
+        pre, pre_why = _resolve_arch(None, from_compiler=True)
+        out.append(f"precompile:  builds for {pre} (from {pre_why})" if pre else "precompile:  has no compiler to use")
     out.append(f"source root: {_source_root_line()}")
     try:
         stale = stale_headers(kernels_dir())
@@ -360,7 +384,7 @@ def cmd_precompile(args) -> int:
     """`mori-jit precompile`: build every shipped variant for an arch in parallel, with progress."""
     from .jit import cache
     from .jit.compile import CompileError, build, resolve
-    tc = _toolchain(args.arch)
+    tc = _toolchain(args.arch, from_compiler=True)
     _ensure_headers()
     ep_request = _parse_sets(args.ep)
     seen: set = set()
@@ -501,7 +525,8 @@ def _parser() -> argparse.ArgumentParser:
     spec_verb("compile", "build (or find in the cache); prints the entry directory").set_defaults(fn=cmd_compile)
 
     sp = sub.add_parser("precompile", help="compile everything the shipped specs need for one arch")
-    arch_opt(sp)
+    sp.add_argument("--arch", help="target arch (gfx90a, gfx942, sm_90a, ...); default: MORI_JIT_ARCH, else the "
+                                   "current device, else the installed compiler's (nvcc: sm_90a, hipcc: gfx90a)")
     sp.add_argument("-j", "--jobs", type=_positive_int, default=None, help="parallel compiles (default: CPU count)")
     sp.add_argument("--ep", action="extend", nargs="+", metavar="KEY=VALUE", default=[],
                     help="EP op configuration to precompile variants for (see precompile_targets)")
@@ -515,28 +540,46 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad usage, 130 interrupted)."""
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad usage, 130 interrupted).
+
+    Python warnings raised while a command runs (torch warns at import when e.g. numpy is missing)
+    are held back: after success they are printed as ``mori-jit: warning:`` lines, after an error
+    only with ``MORI_JIT_VERBOSE`` >= 1, so an error stays one line.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        status, error = _run(argv)
+    if error is None or _verbose() >= 1:
+        for line in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
+            print(f"{PROG}: warning: {line}", file=sys.stderr)
+    if error is not None:
+        print(error, file=sys.stderr)
+    return status
+
+
+def _verbose() -> int:
+    try:
+        from .jit import knobs
+        return knobs.verbose()
+    except Exception:  # pragma: no cover - a malformed variable must not hide the real error
+        return 0
+
+
+def _run(argv: Sequence[str] | None) -> tuple[int, str | None]:
+    """Parse and run one command: (exit status, the one error line or None)."""
     try:
         args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-        return args.fn(args)
+        return args.fn(args), None
     except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return (e.code if isinstance(e.code, int) else (0 if e.code is None else 1)), None
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return 130, f"{PROG}: interrupted"
     except BaseException as e:  # noqa: BLE001 - the one place errors become exit codes
-        verbose = 0
-        try:
-            from .jit import knobs
-            verbose = knobs.verbose()
-        except Exception:  # pragma: no cover
-            pass
+        verbose = _verbose()
         if verbose >= 2:
             traceback.print_exc()
         elif verbose >= 1 and not isinstance(e, CliError):
             print(str(e), file=sys.stderr)
-        print(f"{PROG}: error: {_error_line(e)}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
+        return (2 if isinstance(e, UsageError) else 1), f"{PROG}: error: {_error_line(e)}"
 
 
 if __name__ == "__main__":  # pragma: no cover

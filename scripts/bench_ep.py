@@ -39,9 +39,9 @@ LEGS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp8": (FP8, torch.bfloat16)}
 def link_ceiling_reps_gbps(nbytes: int = 1 << 30, reps: int = 11) -> list[float]:
     """One-direction GPU0 -> GPU1 copy-engine rate of ``nbytes`` (GB/s), once per rep after one
     warm-up copy, each timed between events on the copy's stream (GPU0's current stream: torch
-    runs a cross-device copy there). Sessions 1-10 timed 5 reps with ``perf_counter`` around host
-    syncs; those medians spread 379-393 GB/s across the benches of one device call while the op's
-    own times moved 0.3 %, so the ceiling, not the link, was the noisy term of the link share."""
+    runs a cross-device copy there). Timed with ``perf_counter`` around host syncs, the medians of
+    5 reps spread 379-393 GB/s between runs while the op's own times moved 0.3 %: the ceiling, not
+    the link, would be the noisy term of the link share."""
     if torch.cuda.device_count() < 2:
         return []
     a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
@@ -97,8 +97,8 @@ def sm_link_rates(rank, ws, nbytes: int = 256 << 20, reps: int = 10) -> dict:
     local = torch.randn(n, device=dev)
     fns = {"pull": lambda: torch.neg(peer, out=local), "push": lambda: torch.neg(local, out=peer)}
     # Every rank runs every kernel once first: with lazy module loading, a rank's first call loads
-    # the module (milliseconds), so in sessions 1-3 rank 1 started its "both" pull loop late and
-    # rank 0 timed most of its loop alone (372 GB/s reported; 336 with both really pulling).
+    # the module (milliseconds), so rank 1 would start its "both" pull loop late and rank 0 time
+    # most of its loop alone (372 GB/s instead of 336 with both really pulling).
     for fn in fns.values():
         fn()
     out = {}
@@ -133,7 +133,7 @@ def _time_pairs(fn_a, fn_b, iters, rotate):
     """Median µs of fn_a and fn_b, timed separately with events, over ``iters`` rotating inputs.
 
     A GPU sleep first lets the host queue every iteration ahead of the GPU: otherwise, at small
-    sizes, the events time the host's launch latency (a 1-kernel graph read 11-17 µs on the VM)."""
+    sizes, the events time the host's launch latency (a 1-kernel graph reads 11-17 µs, not 4.7)."""
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
     torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
     for i in range(iters):
@@ -322,8 +322,8 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 # host overhead of the Python calls (GPU work queued asynchronously)
                 dist.barrier()
                 # ha: one torch.empty of an output's size (combine makes two, y and y_w), the phase's
-                # reference: the device VM's host speed drifts by up to 2x between phases of seconds
-                # (docs/PERF.md, session 23), so it is timed in short blocks between the calls' blocks
+                # reference: a host's speed can drift by up to 2x over seconds (docs/performance.md,
+                # "Machine"), so it is timed in short blocks between the calls' blocks
                 # (milliseconds apart), not inside their iterations (which it would perturb)
                 hd, hc, ho, ha = [], [], [], []
                 y_out = torch.empty(n, args.hidden, dtype=comb_t, device=dev)
@@ -423,7 +423,7 @@ def report(path: str) -> str:
                 + (f"{t['dispatch_us'] / d:.2f} | {t['combine_us'] / c:.2f} |" if t else "– | – |")
                 + (f" {a['dispatch_us'] / d:.2f} | {a['combine_us'] / c:.2f} |" if a else " – | – |"))
         # A dispatch waits for the peer's previous combine, so the bench's back-to-back legs trade time
-        # with the ranks' relative phase (PERF.md session 17); their sum is the steadier figure.
+        # with the ranks' relative phase; their sum is the steadier figure.
         g = r["hip_graph"]
         lines.append(f"| {r['leg']} | {r['tokens']}{geo} | hip_graph dispatch + combine | "
                      f"{g['dispatch_us'] + g['combine_us']:.1f} | | | | | | | | |")

@@ -1,8 +1,9 @@
 """Probe: how fast can SMs pull a peer's rows, by access pattern (EP2, both GPUs at once).
 
-The pull combine of sessions 1-4 pulled 2 KB chunks of randomly placed 14 KB rows from the peer's
-staging region while reading the same amount locally (the combine now pushes; docs/PERF.md). This script times torch's own kernels on symmetric memory
-for the patterns in between, to tell the link's limit for a pattern from the kernel's:
+A pull combine reads 2 KB chunks of randomly placed 14 KB rows from the peer's staging region while
+reading the same amount locally (the op's combine pushes instead: docs/performance.md, "Push
+combine"). This script times torch's own kernels on symmetric memory for the patterns in between,
+to tell the link's limit for a pattern from the kernel's:
   contiguous  -- ``neg`` over a contiguous peer range (bf16; ``_f32``: the same bytes as float32,
                  the bench's "SM pull" kernel); ``copy``: ``copy_`` of it
   rows        -- ``index_select`` of randomly ordered 14 KB peer rows

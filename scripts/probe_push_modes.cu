@@ -13,7 +13,7 @@
 // event time (launch included), and over the slower GPU's in-kernel span (the first block's start
 // to the last block's end, after a system fence: the stores have landed). The destination is
 // poisoned before each mode and checked against the source after it (every byte, random data).
-// Results: docs/bench/session10/run2/, docs/bench/session13/run4/ and docs/PERF.md (sessions 10, 13).
+// Results: docs/performance.md ("Bulk-copy (TMA) senders", "Store cache operators").
 //
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/probe_push scripts/probe_push_modes.cu && /tmp/probe_push [MB]
 #include <cuda_runtime.h>
@@ -60,7 +60,7 @@ __global__ void st128(const uint4* __restrict__ src, uint4* dst, size_t n, unsig
   stamp_end(span);
 }
 
-// Store variants (session 13): does the cache operator of an SM's 16-byte peer store change the
+// Store variants: does the cache operator of an SM's 16-byte peer store change the
 // link's rate? Each block pushes whole 28 KB tasks (two rows, contiguous at the destination, the
 // combine sender's unit), its threads spread flat over the task's vectors, four in flight each.
 // kFenced: plain stores, then the sender's per-task release (a barrier, thread 0's system fence and

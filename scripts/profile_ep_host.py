@@ -4,8 +4,8 @@ Times each piece of the Python launch path on its own, median and 10th percentil
 calls (the GPU is synced every 64 calls, so the launch queue never fills): tensor allocation
 (``torch.empty``, ``new_empty``, the op's :class:`CombineOutputs`), argument validation, the
 backend's launch (``op.kernels``: args struct + driver call), the driver's ``cuLaunchKernel`` alone
-(cuda-bindings and ctypes), and the whole ``op.dispatch``/``op.combine`` calls. Two rounds, as the
-device VM's host speed drifts between phases (``docs/PERF.md``, session 7).
+(cuda-bindings and ctypes), and the whole ``op.dispatch``/``op.combine`` calls. Two rounds, as a
+host's speed can drift between two levels (``docs/performance.md``, "Machine").
 
     CUDA_VISIBLE_DEVICES=0 python3 scripts/profile_ep_host.py [--tokens 128] [--reps 3000]
 """

@@ -6,6 +6,8 @@
   ``MORI_SOURCE_ROOT``, ``MORI_JIT_KEEP_FAILED``, ``MORI_JIT_VERBOSE``, ``MORI_V2_EP_*``) inherited
   from the shell;
 * ``fake_cc``: the fake compiler (``tests/fake_compiler.py``) as both nvcc and hipcc;
+* ``no_compilers``: a machine with neither hipcc nor nvcc installed (the fake stays usable through
+  ``MORI_JIT_HIPCC``/``MORI_JIT_NVCC``);
 * ``src_copy``: a private copy of ``kernels/`` and ``templates/`` used through ``MORI_SOURCE_ROOT``.
 
 The ``gpu`` marker is registered in ``pyproject.toml``; gpu tests skip themselves without a GPU.
@@ -77,6 +79,22 @@ def fake_cc(monkeypatch, tmp_path) -> FakeCC:
     monkeypatch.setenv("FAKE_CC_LOG", str(log))
     _reset_toolchain()
     return FakeCC(log)
+
+
+@pytest.fixture
+def no_compilers(monkeypatch, tmp_path) -> Path:
+    """No compiler variable, none in ``$ROCM_PATH``/``$CUDA_HOME`` or the standard places, and a PATH
+    holding only what the fake compiler's shell wrapper runs. Returns that PATH directory."""
+    bin_dir = tmp_path / "path-bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    for var in ("MORI_JIT_HIPCC", "MORI_JIT_NVCC", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ROCM_PATH", str(tmp_path / "rocm"))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setattr(_toolchain, "STANDARD_PLACE", {"amd": str(tmp_path / "opt-rocm" / "bin" / "hipcc"),
+                                                       "nvidia": str(tmp_path / "cuda" / "bin" / "nvcc")})
+    return bin_dir
 
 
 @pytest.fixture

@@ -66,6 +66,7 @@ def test_info_without_any_arch_says_so(fake_cc, capsys):
     assert rc == 0 and err == ""
     assert "(none resolvable:" in out and "--arch" in out
     assert f"nvcc:        {fake_cc.nvcc}" in out and f"hipcc:       {fake_cc.hipcc}" in out
+    assert f"precompile:  builds for sm_90a (from the nvcc at {fake_cc.nvcc}" in out
 
 
 def test_info_arch_from_env(fake_cc, capsys, monkeypatch):
@@ -259,9 +260,28 @@ def test_no_compiler_is_one_line(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
 def test_no_arch_is_one_line(fake_cc, capsys):
-    for argv in (["precompile"], ["compile", "example_axpy"], ["render", "example_axpy"]):
+    for argv in (["compile", "example_axpy"], ["render", "example_axpy"]):
         rc, _, err = run(capsys, *argv)
         assert_one_line_error(rc, err, "pass --arch")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
+def test_precompile_without_arch_or_gpu_builds_for_the_installed_compiler(no_compilers, fake_cc, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setenv("FAKE_CC_FAIL", "error: stop")  # the arch chosen is the point, not the build
+    n = len(precompile_targets(make_toolchain("sm_90a"), {}))
+    rc, out, err = run(capsys, "precompile")
+    assert out.startswith(f"precompiling {n} kernels for sm_90a with {fake_cc.nvcc}"), out
+    monkeypatch.delenv("MORI_JIT_NVCC")
+    rc, out, err = run(capsys, "precompile")
+    assert out.startswith(f"precompiling {n} kernels for gfx90a with {fake_cc.hipcc}"), out
+    monkeypatch.delenv("MORI_JIT_HIPCC")
+    rc, out, err = run(capsys, "precompile")
+    assert_one_line_error(rc, err, "no nvcc found")
+    assert "CUDA toolkit" in err and "apt-get install hipcc" in err and "pass --arch" in err
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0 and "precompile:  has no compiler to use" in out
+    assert re.search(r"^nvcc: +\(missing: no nvcc found .*CUDA toolkit", out, re.M), out
 
 
 def test_compile_error_is_one_line_with_the_compiler_message(fake_cc, capsys, monkeypatch):
@@ -303,3 +323,63 @@ def test_python_dash_m_entry_point(fake_cc):
 def test_console_script(fake_cc):
     p = subprocess.run(["mori-jit", "cache", "path"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == str(cache.cache_root())
+
+
+# -- start-up: the verbs that only render, key or list need no torch -------------------------------
+
+@pytest.mark.parametrize("argv", [
+    ["render", "ep_combine", *ARCH, "--set", "dtype=torch.float32"],
+    ["key", "example_axpy", *ARCH],
+    ["describe", "ep_dispatch", *ARCH],
+    ["cache", "ls"],
+])
+def test_verbs_without_torch_do_not_import_it(fake_cc, argv):
+    code = ("import sys; from mori_jit.cli import main; rc = main(sys.argv[1:]); "
+            "print('torch' in sys.modules, 'numpy' in sys.modules); sys.exit(rc)")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "False False", f"{argv[0]} imported torch or numpy"
+
+
+def test_ep_package_names_load_on_first_use():
+    code = ("import sys, mori_jit.ops.ep as ep; before = 'torch' in sys.modules; "
+            "cfg = ep.EpDispatchCombineConfig; print(before, 'torch' in sys.modules, cfg.__module__)")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.split() == ["False", "True", "mori_jit.ops.ep.config"], p.stderr
+    import mori_jit.ops.ep as ep
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        ep.Nope  # noqa: B018
+
+
+def test_warnings_during_a_failing_command_keep_the_error_one_line(fake_cc, capsys, monkeypatch):
+    import warnings
+
+    import mori_jit.cli as cli
+
+    def warn_then_fail(args):
+        warnings.warn("Failed to initialize NumPy: No module named 'numpy'", UserWarning)
+        raise cli.CliError("it failed")
+
+    monkeypatch.setattr(cli, "cmd_render", warn_then_fail)
+    rc, _, err = run(capsys, "render", "example_axpy", *ARCH)
+    assert_one_line_error(rc, err, "it failed")
+    monkeypatch.setenv("MORI_JIT_VERBOSE", "1")
+    rc, _, err = run(capsys, "render", "example_axpy", *ARCH)
+    assert rc == 1 and err.splitlines()[0] == "mori-jit: warning: Failed to initialize NumPy: No module named 'numpy'"
+
+
+def test_warnings_after_success_are_one_line_each(fake_cc, capsys, monkeypatch):
+    import warnings
+
+    import mori_jit.cli as cli
+    real = cli.cmd_render
+
+    def warn_then_render(args):
+        warnings.warn("first\nwarning", UserWarning)
+        return real(args)
+
+    monkeypatch.setattr(cli, "cmd_render", warn_then_render)
+    rc, out, err = run(capsys, "render", "example_axpy", *ARCH)
+    assert rc == 0 and "mori_example_axpy" in out and err == "mori-jit: warning: first warning\n"

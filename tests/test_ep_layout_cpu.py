@@ -52,8 +52,8 @@ def test_every_region_has_a_size_and_an_offset_arg():
 
 
 def test_every_arena_region_is_used_by_a_kernel():
-    """Symmetric memory is scarce: a region no kernel addresses (``off_<name>``) is dead weight.
-    (The combine's staging view was one, from the switch to the push combine until session 7.)"""
+    """Symmetric memory is scarce: a region no kernel addresses (``off_<name>``) is dead weight
+    (a staging region for the combine's input would be one: the push combine reads it in place)."""
     bodies = "".join(f.read_text() for f in sorted((REPO / "kernels" / "ep").glob("*.hpp"))
                      if not f.name.endswith("_generated.hpp"))  # (the generated args struct names every region)
     unused = [r for r in EP_REGIONS if not re.search(rf"\boff_{r}\b", bodies)]

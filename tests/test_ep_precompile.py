@@ -154,13 +154,13 @@ def test_nvcc_low_latency_rows_are_word_atomic_and_absent_when_off(combine_ptx, 
     for op in ("st", "ld"):
         assert re.search(rf"{op}\.relaxed\.sys\.global\.v4\.b32", combine_ptx_low), op
         assert not re.search(rf"{op}\.relaxed\.sys\.global\.v4\.b32", combine_ptx), op
-    # no one-word poll before the loads: every lane polls its own vectors (PERF.md session 17)
+    # no one-word poll before the loads: every lane polls its own vectors (docs/performance.md)
     assert not re.search(r"ld\.relaxed\.sys\.global\.b32", combine_ptx_low)
     assert not re.search(r"st\.release\.sys", combine_ptx_low) and re.search(r"st\.release\.sys", combine_ptx)
 
 
 def test_nvcc_combine_phase_stamps_are_fire_and_forget(combine_ptx):
-    """The combine's phase stamps are `red` reductions (PERF.md session 11): an `atomicMax` on a
+    """The combine's phase stamps are `red` reductions (docs/performance.md): an `atomicMax` on a
     generic pointer compiled to an `atom` whose result the thread waited for, which held each
     summing block's first wave ~1.2 us before its last output stores."""
     import re
@@ -172,7 +172,7 @@ def test_nvcc_combine_phase_stamps_are_fire_and_forget(combine_ptx):
 
 def test_nvcc_combine_hints_own_row_into_l2_before_the_flag_wait(combine_ptx):
     """A summing wave hints its lanes' vectors of the own row into L2 (one `prefetch.global.L2` per
-    unroll slot, 4 at this Cfg) before it polls the range flags: PERF.md session 15, run 1. The
+    unroll slot, 4 at this Cfg) before it polls the range flags (docs/performance.md). The
     hints come before the last acquire poll in the text (the range-flag wait; the sender's
     combine-done wait comes earlier)."""
     import re

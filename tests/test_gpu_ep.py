@@ -1,9 +1,9 @@
-"""GPU tests of the ``hip`` EP backend (run on the device machine: ``pytest -m gpu``).
+"""GPU tests of the ``hip`` EP backend (on a GPU machine: ``pytest -m gpu``).
 
-Every check is the golden check of DESIGN §6 on fresh random data, with outputs poisoned first.
-Every test runs at world sizes 1, 2, 4 and 8 (``MORI_EP_TEST_WORLD_SIZES``): one rank per GPU
-(NCCL) where there are enough GPUs, otherwise several ranks per GPU on the IPC arena provider and
-gloo under CUDA MPS (``tests/gpu_world.py``).
+Every check is the golden check of docs/design.md §6 on fresh random data, with outputs poisoned
+first. Every test runs at world sizes 1, 2, 4 and 8 (``MORI_EP_TEST_WORLD_SIZES``): one rank per
+GPU (NCCL) where there are enough GPUs, otherwise several ranks per GPU on the IPC arena provider
+and gloo under CUDA MPS (``tests/gpu_world.py``).
 """
 from __future__ import annotations
 

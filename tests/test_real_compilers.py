@@ -81,15 +81,15 @@ def test_hipcc_builds_axpy(arch, dtype, tmp_path):
 
 
 def test_nvcc_builds_the_push_probe(tmp_path):
-    """scripts/probe_push_modes.cu (a standalone device-run record tool) still builds, and its
-    bulk-copy kernel really uses the bulk-copy unit (the `tma` rows of docs/PERF.md session 10) and its
-    task kernels the store each row of session 13 names."""
+    """scripts/probe_push_modes.cu (a standalone CUDA probe) still builds, its bulk-copy kernel
+    really uses the bulk-copy unit (its `tma` rows) and its task kernels the store each `task` row
+    names (docs/performance.md, "Store cache operators")."""
     tc = toolchain_or_skip("sm_90a")
     src = Path(__file__).resolve().parents[1] / "scripts" / "probe_push_modes.cu"
     text = nvcc_ptx(tc, src, tmp_path / "probe.ptx")
     assert "cp.async.bulk.global.shared::cta.bulk_group" in text and "cp.async.bulk.shared::cluster.global" in text
     assert "st.global.v4" in text  # the 16-byte stores of the st128 rows
-    # the task rows' store variants (session 13) and the fenced variant's release
+    # the task rows' store variants and the fenced variant's release
     for store in ("st.global.cs.v4", "st.global.wt.v4", "st.global.L1::no_allocate.v4", "st.relaxed.sys.global.v4",
                   "st.release.sys.global.u64"):
         assert store in text, store

@@ -171,6 +171,27 @@ def test_no_hipcc_anywhere_says_which_variable_to_set(monkeypatch, tmp_path):
         make_toolchain("gfx90a")
 
 
+def test_no_compiler_message_names_each_place_once_and_how_to_get_one(no_compilers, monkeypatch):
+    standard = tcm.STANDARD_PLACE["amd"]
+    monkeypatch.setenv("ROCM_PATH", str(Path(standard).parent.parent))  # ROCM_PATH is the standard place
+    with pytest.raises(ToolchainError) as e:
+        make_toolchain("gfx90a")
+    msg = str(e.value)
+    assert msg.count(standard) == 1, msg
+    assert " found (tried " in msg and "apt-get install hipcc" in msg and "MORI_JIT_HIPCC" in msg
+
+
+def test_compiler_default_arch_follows_the_installed_compiler(no_compilers, fake_cc, monkeypatch):
+    monkeypatch.delenv("MORI_JIT_HIPCC")
+    monkeypatch.delenv("MORI_JIT_NVCC")
+    with pytest.raises(ToolchainError, match=r"no nvcc found.*CUDA toolkit.*no hipcc found.*apt-get install hipcc"):
+        tcm.compiler_default_arch()
+    monkeypatch.setenv("MORI_JIT_HIPCC", str(fake_cc.hipcc))
+    assert tcm.compiler_default_arch() == ("gfx90a", str(fake_cc.hipcc))
+    monkeypatch.setenv("MORI_JIT_NVCC", str(fake_cc.nvcc))  # nvcc first: sm_90a is the tuned arch
+    assert tcm.compiler_default_arch() == ("sm_90a", str(fake_cc.nvcc))
+
+
 def test_compiler_from_rocm_path(monkeypatch, tmp_path, fake_cc):
     monkeypatch.delenv("MORI_JIT_HIPCC", raising=False)
     (tmp_path / "bin").mkdir()

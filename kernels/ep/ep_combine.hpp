@@ -25,10 +25,10 @@ constexpr int kShortSlot = -2;
 
 // Low latency (kCfg.lowLatency, a whole op's choice): every 32-bit word of a pushed row is its own
 // arrival signal (CombWord), so no release fence and no range flag, whose 1.3-1.4 us each sit on the
-// small-batch chain (PERF.md session 15). At large batches the flags win: a summing wave's own
-// polls, strong loads and empty-word stores cost more than the flags they replace. Both sides of
-// every row must agree, so it is a Cfg field, never a per-call choice (session 16: a kernel that
-// held both protocols and chose by n cost the flag path 1.5 us at 4096 tokens).
+// small-batch chain. At large batches the flags win: a summing wave's own polls, strong loads and
+// empty-word stores cost more than the flags they replace. Both sides of every row must agree, so
+// it is a Cfg field, never a per-call choice (a kernel that held both protocols and chose by n cost
+// the flag path 1.5 us at 4096 tokens: docs/performance.md, "Protocol as a Cfg field").
 // A data word that reads like a signal word (a NaN) is sent as kCanonWord, another NaN.
 MORI_DEVICE uint32_t CanonWord(uint32_t w) { return w >= kShortWord ? uint32_t(kCanonWord) : w; }
 MORI_DEVICE vec16_t CanonVec(vec16_t v) {
@@ -55,8 +55,8 @@ using CombWeight = std::conditional_t<kLow, uint64_t, float>;
 // EpCombineBody). Interleaving sends and sums in every block measured far slower (219 against 181
 // µs at 4096 tokens): a block's pushes stall on every range wait, as the flags queue behind the
 // data on the link. kSenderShare / 16 of the grid sends: 6, 7, 8 and 9 measured 187.5, 178.6, 177.1
-// and 177.8 µs at 4096 tokens (two benches each in one call, docs/PERF.md session 12; with a fixed
-// task stride instead of claims, session 6 measured 185.5, 180.5 and 181.7 for 6, 7 and 8).
+// and 177.8 µs at 4096 tokens (two benches each in one call; with a fixed task stride instead of
+// claims, 185.5, 180.5 and 181.7 for 6, 7 and 8: docs/performance.md, "Sender share 8 / 16").
 constexpr int kSenderShare = 8;
 MORI_DEVICE int DedicatedSenders() { return max(1, int(gridDim.x) * kSenderShare / 16); }
 MORI_DEVICE int CombSenders(int tasks) { return tasks <= int(gridDim.x) ? int(gridDim.x) : DedicatedSenders(); }
@@ -169,8 +169,8 @@ struct Sender {
   // Lane i < kRangeTok: this rank's row of token t0 + i of task q's peer; -1 if that token was not
   // routed here this epoch or the task is empty, kShortSlot if its row lies beyond a short input
   // (this rank's host is told by block 0, the peer by the range flag). Loaded two tasks ahead and
-  // decoded at once: the wave waits for the load here, but deferring the decode a task (lead E)
-  // measured no faster (PERF.md session 12).
+  // decoded at once: the wave waits for the load here, but deferring the decode a task measured
+  // no faster (docs/performance.md, "Deferred decode of a task's map entry").
   MORI_DEVICE int TaskSlot(int q) const { return q < numTasks ? Decode(q, EntryOf(args, q)) : -1; }
   // TaskSlot's answer from the entry e of task q's lane.
   MORI_DEVICE int Decode(int q, uint64_t e) const {
@@ -277,8 +277,8 @@ struct Sender {
 // so that peers' words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors
 // of the own row (prefetchV0, + waveSize, ...) are hinted into L2 as soon as the row is known: the
 // input was complete at the kernel's start, so its HBM latency can pass while the wave waits for
-// the peers' flags. (Loading it into registers there instead delayed the poll: PERF.md session 14,
-// run 5.)
+// the peers' flags. (Loading it into registers there instead delayed the poll: docs/performance.md,
+// "Own row hinted into L2".)
 template <EpCfg kCfg>
 struct ItemSources {
   static constexpr bool kLow = kCfg.lowLatency;
@@ -323,9 +323,9 @@ struct ItemSources {
 // once it carries this combine's epoch; a short row's is 0), then reload whatever vector still
 // holds an empty word until none does: every lane polls its own vectors, so the wave has its rows
 // one load after the last lands (polling one word per row first, then loading, cost a load more:
-// PERF.md session 17). The timeout decision is wave-uniform: each lane reads its own clock, and a
-// lane that left alone would leave its wave's next vote short of it (the hang of PERF.md session 15,
-// run 7).
+// docs/performance.md, "Every lane polls its own vectors"). The timeout decision is wave-uniform:
+// each lane reads its own clock, and a lane that left alone would leave its wave's next vote short
+// of it: the wave would hang.
 template <EpCfg kCfg, typename Src>
 MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, int s, int pair, bool withW, int v0,
                            int t, uint64_t (&tw)[2], float* wv, vec16_t (&buf)[2][kCfg.vecUnroll]) {

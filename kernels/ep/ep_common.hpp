@@ -79,7 +79,7 @@ MORI_DEVICE void FenceBlockSystem() {
 // system-scope count that lets a peer overwrite that memory may follow. Performed at device scope,
 // a load has its value and a store is in this GPU's L2, which is where a peer's stores land too,
 // after the peer has seen the count; so a device-scope fence is enough (the system-scope one took
-// 1.4 us here against 0.4: PERF.md session 14). NCCL returns a receive credit with no fence at all.
+// 1.4 us here against 0.4: docs/performance.md). NCCL returns a receive credit with no fence at all.
 MORI_DEVICE void FenceBlockLocalDevice() {
   if constexpr (plat::kFenceEveryWave) plat::fence_device();
   __syncthreads();

@@ -125,7 +125,7 @@ MORI_DEVICE void StoreTokenMeta(const EpArgs& args, const DispatchRound<kCfg>& r
 // block's waves store the metadata. A round's first rows are loaded before its claim (they need no
 // slot), overlapping its round trip. Row i since the kernel's start uses stage i % kStages, whose
 // barrier completes phase i / kStages. A block with fewer tokens copies through its waves: one
-// thread's serial loads and stores measured slower there (docs/PERF.md session 18, runs 2-3).
+// thread's serial loads and stores measured slower there (docs/performance.md, "Bulk-copy dispatch").
 template <EpCfg kCfg>
 struct BulkRows {
   static constexpr int kStages = EpBulkStages(kCfg), kBytes = EpTokenBytes(kCfg), kK = kCfg.numExpertPerToken;

@@ -1,6 +1,6 @@
 """Plans: a compiled, loaded kernel with its geometry and args packer, ready to launch.
 
-Two separate steps (DESIGN §5):
+Two separate steps (docs/design.md §5):
 
 * :func:`prepare` (``Plan.prepare``) — compile through the cache (:func:`mori_jit.jit.compile.build`),
   load the module (an in-process cache keyed by ``(device, entry directory)``) and look the kernel

@@ -23,7 +23,8 @@ from pathlib import Path
 from . import knobs
 
 __all__ = ["Toolchain", "ToolchainError", "make_toolchain", "get_toolchain", "set_arch_override",
-           "detect_arch", "has_bulk_copy", "vendor_of", "wave_size_for_arch", "ARCH_PATTERN"]
+           "detect_arch", "has_bulk_copy", "vendor_of", "wave_size_for_arch", "ARCH_PATTERN", "find_compiler",
+           "compiler_default_arch", "COMPILER_NAME", "COMPILER_VAR", "INSTALL_HINT", "DEFAULT_ARCH"]
 
 
 class ToolchainError(RuntimeError):
@@ -104,27 +105,78 @@ class Toolchain:
 _DEFAULT_FLAGS = {"amd": ("-O3",), "nvidia": ("-O3", "-lineinfo", "--expt-relaxed-constexpr")}
 
 
-def _find_compiler(vendor: str) -> str:
+#: The compiler each vendor's arches are built with.
+COMPILER_NAME = {"amd": "hipcc", "nvidia": "nvcc"}
+#: The variable that names each vendor's compiler explicitly.
+COMPILER_VAR = {"amd": "MORI_JIT_HIPCC", "nvidia": "MORI_JIT_NVCC"}
+#: Where each vendor's installer puts its compiler (looked at after the variables, before PATH).
+STANDARD_PLACE = {"amd": "/opt/rocm/bin/hipcc", "nvidia": "/usr/local/cuda/bin/nvcc"}
+#: How to get each vendor's compiler when none is found.
+INSTALL_HINT = {"amd": "install ROCm's hipcc (Debian/Ubuntu: apt-get install hipcc) or set MORI_JIT_HIPCC",
+                "nvidia": "install the CUDA toolkit (https://developer.nvidia.com/cuda-downloads) "
+                          "or set MORI_JIT_NVCC or CUDA_HOME"}
+#: The arch built for when only a compiler names the vendor (no --arch, MORI_JIT_ARCH or GPU): sm_90a
+#: is the arch the EP kernels are tuned on (H100/H200); gfx90a is a CDNA arch every hipcc that
+#: builds these kernels knows (Debian's does not know gfx942).
+DEFAULT_ARCH = {"nvidia": "sm_90a", "amd": "gfx90a"}
+
+
+def _explicit_compiler(vendor: str) -> str | None:
+    """``MORI_JIT_HIPCC`` / ``MORI_JIT_NVCC`` (a bare name looked up on PATH), or None."""
+    explicit = knobs.hipcc_path() if vendor == "amd" else knobs.nvcc_path()
+    if explicit and os.sep not in explicit:
+        return shutil.which(explicit) or explicit
+    return explicit
+
+
+def _candidates(vendor: str) -> list[str]:
+    """The places searched after the explicit variable, in order and without repeats."""
     if vendor == "amd":
-        tried = [knobs.hipcc_path(), os.path.join(knobs.rocm_path(), "bin", "hipcc"), "/opt/rocm/bin/hipcc",
-                 shutil.which("hipcc")]
-        var = "MORI_JIT_HIPCC"
+        root = os.path.join(knobs.rocm_path(), "bin", "hipcc")
     else:
         home = knobs.cuda_home()
-        tried = [knobs.nvcc_path(), os.path.join(home, "bin", "nvcc") if home else None,
-                 "/usr/local/cuda/bin/nvcc", shutil.which("nvcc")]
-        var = "MORI_JIT_NVCC"
-    explicit = tried[0]
-    if explicit and os.sep not in explicit:  # a bare name: look it up on PATH
-        explicit = tried[0] = shutil.which(explicit) or explicit
-    if explicit and not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
-        # An explicit choice that does not work is an error, not a silent fallback to another compiler.
-        raise ToolchainError(f"{var}={explicit} is not an executable file")
+        root = os.path.join(home, "bin", "nvcc") if home else None
+    tried = [root, STANDARD_PLACE[vendor], shutil.which(COMPILER_NAME[vendor])]
+    return list(dict.fromkeys(t for t in tried if t))
+
+
+def _is_executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_compiler(vendor: str) -> str:
+    """The absolute path of ``vendor``'s compiler (``hipcc`` or ``nvcc``).
+
+    ``MORI_JIT_HIPCC``/``MORI_JIT_NVCC`` wins and must be executable; else the first executable of
+    ``$ROCM_PATH/bin``, ``/opt/rocm/bin``, ``PATH`` (hipcc) or ``$CUDA_HOME/bin``,
+    ``/usr/local/cuda/bin``, ``PATH`` (nvcc). None found raises :class:`ToolchainError` naming the
+    places tried and how to get one.
+    """
+    explicit = _explicit_compiler(vendor)
+    if explicit:
+        if not _is_executable(explicit):
+            # An explicit choice that does not work is an error, not a silent fallback to another compiler.
+            raise ToolchainError(f"{COMPILER_VAR[vendor]}={explicit} is not an executable file")
+        return os.path.abspath(explicit)
+    tried = _candidates(vendor)
     for c in tried:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+        if _is_executable(c):
             return os.path.abspath(c)
-    raise ToolchainError(f"no {'hipcc' if vendor == 'amd' else 'nvcc'} found (tried {[t for t in tried if t]}); "
-                         f"set {var}")
+    raise ToolchainError(f"no {COMPILER_NAME[vendor]} found (tried {', '.join(tried)} and PATH); "
+                         f"{INSTALL_HINT[vendor]}")
+
+
+def compiler_default_arch() -> tuple[str, str]:
+    """``(arch, compiler)`` for a machine whose only hint is an installed compiler: nvcc → sm_90a,
+    else hipcc → gfx90a (:data:`DEFAULT_ARCH`). Neither found raises :class:`ToolchainError` saying
+    how to get one."""
+    misses = []
+    for vendor in ("nvidia", "amd"):
+        try:
+            return DEFAULT_ARCH[vendor], find_compiler(vendor)
+        except ToolchainError as e:
+            misses.append(str(e))
+    raise ToolchainError("; ".join(misses))
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +198,7 @@ def _signature(compiler: str, mtime_ns: int, vendor: str) -> str:
 def make_toolchain(arch: str) -> Toolchain:
     """Resolve the compiler, its signature, flags and NIC for ``arch`` (no process-wide state)."""
     vendor = vendor_of(arch)
-    compiler = _find_compiler(vendor)
+    compiler = find_compiler(vendor)
     sig = _signature(compiler, os.stat(compiler).st_mtime_ns, vendor)
     return Toolchain(arch, vendor, compiler, sig, _DEFAULT_FLAGS[vendor] + knobs.extra_flags(),
                      knobs.device_nic())

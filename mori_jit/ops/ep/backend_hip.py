@@ -96,8 +96,8 @@ class CombineOutputs:
     """Fresh combine outputs on ``device``: ``y(n)`` ``[n, hidden]`` of the combine dtype, ``w(n)``
     ``[n, k]`` float32, allocated with the least host time. ``torch.empty_like`` of a zero-stride
     template (one element expanded to the shape, cached by n) skips ``torch.empty``'s size and dtype
-    parsing: 2.1 µs per tensor on the device VM, against 3.1 for ``new_empty`` and 3.9 for
-    ``torch.empty`` (session 7). ``empty_like`` gives an overlapping input contiguous strides."""
+    parsing: 2.1 µs per tensor on the benchmark machine, against 3.1 for ``new_empty`` and 3.9 for
+    ``torch.empty`` (docs/performance.md). ``empty_like`` gives an overlapping input contiguous strides."""
 
     _MAX_CACHED = 256  # token counts kept (a template pair is two tensor headers)
 

@@ -201,7 +201,7 @@ EpNumExperts = Derived("EpNumExperts", "EpCfg", C.numExpertPerRank * C.worldSize
 EpRangeTok = Derived("EpRangeTok", "EpCfg",
                      where(C.lowLatency & (C.maxTokPerRank * (C.worldSize - 1) <= C.blockNum), 1, 2),
                      doc="tokens per combine range (a sender's task, a summing block's unit)")
-# 4 stages: 2 and 6 measured no better (docs/PERF.md session 18, run 2).
+# 4 stages: 2 and 6 measured no better (docs/performance.md, "4 bulk stages").
 EpBulkStages = Derived("EpBulkStages", "EpCfg", where(C.bulkMinTokens > 0, 4, 0),
                        doc="rows in flight per dispatch block through the bulk-copy unit (0: none)")
 EpBulkSmemBytes = Derived("EpBulkSmemBytes", "EpCfg", EpBulkStages * EpTokenBytes,

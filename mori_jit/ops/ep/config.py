@@ -44,7 +44,7 @@ def _opt_int(name: str, value: Any, lo: int = 1) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class EpDispatchCombineConfig:
-    """Config of one EP dispatch/combine op. See DESIGN §6 for the semantics of each field.
+    """Config of one EP dispatch/combine op. See docs/design.md §6 for the semantics of each field.
 
     ``hidden_dim`` counts elements of the dispatch dtype (bytes for fp4x2, which packs two e2m1
     per byte). ``dispatch_data_type``/``combine_data_type`` select asymmetric legs and are set

@@ -1,4 +1,4 @@
-"""Independent golden check of an EP dispatch/combine result (DESIGN §6), and test inputs.
+"""Independent golden check of an EP dispatch/combine result (docs/design.md §6), and test inputs.
 
 The check recomputes everything from the *inputs of every rank* (gathered with ``all_gather``)
 and never calls the implementation under test (nor ``reference.py``): with an identity expert,

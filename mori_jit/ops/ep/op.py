@@ -6,8 +6,8 @@ supplies three things: ``_regions(cfg)`` (arena region sizes; empty = no arena),
 Behaviour differences are data on the KernelSet, not overrides. ``EpDispatchCombineOp(cfg, group)``
 returns the backend's subclass, importing only that backend.
 
-Order (DESIGN §6): process group → capability gate → rank cards (configs compared, ranks per device,
-memory kind) → arena → every variant compiled → launches.
+Order (docs/design.md §6): process group → capability gate → rank cards (configs compared, ranks
+per device, memory kind) → arena → every variant compiled → launches.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reference EP dispatch/combine on ``torch.distributed`` collectives (DESIGN §6).
+"""Reference EP dispatch/combine on ``torch.distributed`` collectives (docs/design.md §6).
 
 This is the algorithm of the ``torch`` backend: it runs on any process group (NCCL/RCCL on GPUs,
 gloo on CPU) and serves as the parity oracle for the JIT kernels. It is written for clarity, not
