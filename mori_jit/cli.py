@@ -26,7 +26,6 @@ import shutil
 import sys
 import time
 import traceback
-import types
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Sequence
@@ -91,16 +90,8 @@ def _toolchain(arch: str | None, *, need_compiler: bool = True):
     Rendering never runs the compiler, so ``render``/``describe`` work without one
     (``need_compiler=False`` gives a toolchain with an empty compiler and signature).
     """
-    from .jit import knobs, toolchain as tcmod
-    a = _arch_or_error(arch)
-    try:
-        return tcmod.make_toolchain(a)
-    except tcmod.ToolchainError:
-        if need_compiler:
-            raise
-        vendor = tcmod.vendor_of(a)  # a bad arch is still an error
-        return tcmod.Toolchain(a, vendor, "", "", tcmod._DEFAULT_FLAGS.get(vendor, ()) + knobs.extra_flags(),
-                               knobs.device_nic())
+    from .jit.toolchain import make_toolchain
+    return make_toolchain(_arch_or_error(arch), need_compiler=need_compiler)
 
 
 def _spec(name: str):
@@ -197,18 +188,12 @@ def _known_env_vars() -> tuple[list[str], list[str]]:
 
 
 def _source_root_line() -> str:
-    from .jit import knobs, paths
+    from .jit import paths
     try:
         root = paths.source_root()
     except paths.SourceRootError as e:
         return f"(error: {e})"
-    if knobs.source_root() is not None:
-        origin = "MORI_SOURCE_ROOT"
-    elif root == (paths._PKG / "_sources").resolve() or root == paths._PKG / "_sources":
-        origin = "packaged copy"
-    else:
-        origin = "checkout"
-    return f"{root} ({origin})"
+    return f"{root} ({paths.source_root_origin(root)})"
 
 
 def cmd_info(args) -> int:
@@ -226,7 +211,7 @@ def cmd_info(args) -> int:
         out.append(f"arch:        (none resolvable: {why.rstrip('.')}; or pass --arch)")
         for vendor, tool in (("amd", "hipcc"), ("nvidia", "nvcc")):
             try:
-                found = tcmod._find_compiler(vendor)
+                found = tcmod.find_compiler(vendor)
             except tcmod.ToolchainError as e:
                 found = f"(not found: {e})"
             out.append(f"{tool + ':':<12} {found}")
@@ -315,21 +300,11 @@ def cmd_compile(args) -> int:
 # precompile
 # ----------------------------------------------------------------------------------------------
 
-def _axpy_variants(spec, toolchain) -> list:
-    """example_axpy for each dtype, with the widest (16-byte) vector that dtype allows."""
-    from .examples.axpy_spec import AxpyDType, AxpyElemBytes
-    out = []
-    for dt in AxpyDType:
-        elem = AxpyElemBytes(types.SimpleNamespace(dtype=dt))  # the shared arithmetic, not a copy
-        out.append(spec.make_cfg(toolchain, {"dtype": dt, "vecElems": 16 // elem}))
-    return out
-
-
 def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> list[tuple[Any, Any]]:
     """Every ``(spec, cfg)`` that ``mori-jit precompile`` builds for ``toolchain``.
 
-    Without ``ep_request``: every registered spec's default cfg, plus ``example_axpy`` for each
-    dtype. With it (``--ep KEY=VALUE ...``: EpDispatchCombineConfig fields plus ``num_cus``): exactly
+    Without ``ep_request``: what each registered spec's :meth:`~mori_jit.jit.spec.Spec.precompile_cfgs`
+    names. With it (``--ep KEY=VALUE ...``: EpDispatchCombineConfig fields plus ``num_cus``): exactly
     the EP variants a live ``hip`` op with that config compiles — the same tuning tables and Cfg
     construction (:func:`mori_jit.ops.ep.variants.plan_requests`). Duplicates are removed by the caller.
     """
@@ -337,13 +312,7 @@ def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> l
     if ep_request:  # exactly the variants a live op with that config compiles
         from .ops.ep.variants import precompile_targets as ep_targets
         return ep_targets(ep_request, toolchain.arch)
-    targets = []
-    for spec in all_specs():
-        if spec.name == "example_axpy":
-            targets += [(spec, cfg) for cfg in _axpy_variants(spec, toolchain)]
-        else:
-            targets.append((spec, spec.default_cfg(toolchain)))
-    return targets
+    return [(spec, cfg) for spec in all_specs() for cfg in spec.precompile_cfgs(toolchain)]
 
 
 def cmd_precompile(args) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from . import knobs
 
-__all__ = ["Toolchain", "ToolchainError", "make_toolchain", "get_toolchain", "set_arch_override",
+__all__ = ["Toolchain", "ToolchainError", "make_toolchain", "find_compiler", "get_toolchain", "set_arch_override",
            "detect_arch", "has_bulk_copy", "vendor_of", "wave_size_for_arch"]
 
 
@@ -101,7 +101,8 @@ class Toolchain:
 _DEFAULT_FLAGS = {"amd": ("-O3",), "nvidia": ("-O3", "-lineinfo", "--expt-relaxed-constexpr")}
 
 
-def _find_compiler(vendor: str) -> str:
+def find_compiler(vendor: str) -> str:
+    """The absolute path of the ``amd`` (hipcc) or ``nvidia`` (nvcc) compiler; ToolchainError names what was tried."""
     if vendor == "amd":
         tried = [knobs.hipcc_path(), os.path.join(knobs.rocm_path(), "bin", "hipcc"), "/opt/rocm/bin/hipcc",
                  shutil.which("hipcc")]
@@ -140,10 +141,19 @@ def _signature(compiler: str, mtime_ns: int, vendor: str) -> str:
     return p.stdout if p.stdout.strip() else p.stderr
 
 
-def make_toolchain(arch: str) -> Toolchain:
-    """Resolve the compiler, its signature, flags and NIC for ``arch`` (no process-wide state)."""
+def make_toolchain(arch: str, *, need_compiler: bool = True) -> Toolchain:
+    """Resolve the compiler, its signature, flags and NIC for ``arch`` (no process-wide state).
+
+    With ``need_compiler=False`` a missing compiler gives a toolchain with an empty compiler and
+    signature, enough to render (which never runs the compiler); a bad arch is still an error.
+    """
     vendor = vendor_of(arch)
-    compiler = _find_compiler(vendor)
+    try:
+        compiler = find_compiler(vendor)
+    except ToolchainError:
+        if need_compiler:
+            raise
+        return Toolchain(arch, vendor, "", "", _DEFAULT_FLAGS[vendor] + knobs.extra_flags(), knobs.device_nic())
     sig = _signature(compiler, os.stat(compiler).st_mtime_ns, vendor)
     return Toolchain(arch, vendor, compiler, sig, _DEFAULT_FLAGS[vendor] + knobs.extra_flags(),
                      knobs.device_nic())
