@@ -68,7 +68,7 @@ def _resolve_arch(arch: str | None) -> tuple[str | None, str]:
     from .jit.toolchain import ToolchainError, detect_arch
     if arch:
         return arch, "--arch"
-    env = knobs.jit_arch()
+    env = knobs.compiler.arch
     if env:
         return env, "MORI_JIT_ARCH"
     try:
@@ -175,16 +175,24 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _known_env_vars() -> tuple[list[str], list[str]]:
-    """(names, prefixes) of every variable mori-jit reads, from the docstrings in knobs.py."""
+def _settings_lines() -> list[str]:
+    """The environment section of ``info``: what is set, what is not recognised, and every setting
+    (group, variable, type, default, doc) from its declaration (:func:`mori_jit.jit.knobs.all_groups`)."""
     from .jit import knobs
-    names: set[str] = set()
-    prefixes: set[str] = set()
-    for fn_name in knobs.__all__:
-        doc = getattr(knobs, fn_name).__doc__ or ""
-        for m in re.finditer(r"``([A-Z][A-Z0-9_]*)(<[^`]*>)?[A-Z0-9_]*``", doc):
-            (prefixes if m.group(2) else names).add(m.group(1))
-    return sorted(names), sorted(prefixes)
+    groups = knobs.all_groups()
+    settings = [s for g in groups for s in g.settings()]
+    set_vars = {k: v for k, v in os.environ.items() if any(s.matches(k) for s in settings)}
+    unknown = sorted(k for k in os.environ if k.startswith("MORI_") and k not in set_vars)
+    out = ["environment:" + ("" if set_vars else " (none of mori-jit's variables is set)")]
+    out += [f"    {k}={set_vars[k]}" for k in sorted(set_vars)]
+    if unknown:
+        out.append("unrecognised MORI_* variables (ignored): " + ", ".join(unknown))
+    out.append("settings (variable, type, meaning; default):")
+    width = max(len(s.label) for s in settings)
+    for g in groups:
+        out.append(f"  {g.name}")
+        out += [f"    {s.label:<{width}}  {s.type_name:<6} {s.doc}; default: {s.default_text()}" for s in g.settings()]
+    return out
 
 
 def _source_root_line() -> str:
@@ -238,16 +246,7 @@ def cmd_info(args) -> int:
     root = cache.cache_root()
     out.append(f"cache dir:   {root} ({len(cache.list_entries())} entries)")
     out.append(f"specs:       {', '.join(s.name for s in all_specs())}")
-    names, prefixes = _known_env_vars()
-    set_vars = {k: v for k, v in os.environ.items()
-                if k in names or any(k.startswith(p) for p in prefixes)}
-    unknown = {k: v for k, v in os.environ.items()
-               if k.startswith("MORI_") and k not in set_vars}
-    out.append("environment:" + ("" if set_vars else " (none of mori-jit's variables is set)"))
-    out += [f"    {k}={set_vars[k]}" for k in sorted(set_vars)]
-    if unknown:
-        out.append("unrecognised MORI_* variables (ignored): " + ", ".join(sorted(unknown)))
-    out.append("variables read: " + ", ".join(names + [p + "*" for p in prefixes]))
+    out += _settings_lines()
     print("\n".join(out))
     return 0
 
@@ -515,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         verbose = 0
         try:
             from .jit import knobs
-            verbose = knobs.verbose()
+            verbose = knobs.log.verbose
         except Exception:  # pragma: no cover
             pass
         if verbose >= 2:

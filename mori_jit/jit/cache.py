@@ -37,7 +37,7 @@ class Entry:
 
 def cache_root() -> Path:
     """The cache directory (``MORI_JIT_CACHE_DIR``, see :mod:`mori_jit.jit.knobs`)."""
-    return knobs.cache_dir()
+    return knobs.cache.dir
 
 
 def entry_dir(arch: str, nic: str, entry_name: str, key: str) -> Path:

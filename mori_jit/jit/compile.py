@@ -72,7 +72,7 @@ def resolve(spec: Spec, cfg: Any, toolchain: Toolchain, *, fresh_include_hash: b
 
 
 def _log(msg: str, level: int = 1) -> None:
-    if knobs.verbose() >= level:
+    if knobs.log.verbose >= level:
         print(f"[mori-jit] {msg}", file=sys.stderr, flush=True)
 
 
@@ -90,7 +90,7 @@ def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
         rc, err = -1, str(e)
     if rc != 0 or not binary.is_file() or binary.stat().st_size == 0:
         kept = None
-        if knobs.keep_failed():
+        if knobs.cache.keep_failed:
             kept = cache.cache_root() / "failed" / f"{res.entry_name}.{res.key[:16]}"
             kept.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, kept / cache.SOURCE_NAME)
@@ -111,12 +111,12 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
         return entry
     lock_path = cache.cache_root() / "locks" / f"{res.key}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = filelock.FileLock(str(lock_path), timeout=knobs.lock_timeout_s())
+    lock = filelock.FileLock(str(lock_path), timeout=knobs.cache.lock_timeout_s)
     try:
         lock.acquire()
         locked = True
     except filelock.Timeout:
-        _log(f"lock {lock_path} still held after {knobs.lock_timeout_s()}s; compiling anyway")
+        _log(f"lock {lock_path} still held after {knobs.cache.lock_timeout_s}s; compiling anyway")
         locked = False
     try:
         # Look before verifying: an entry that appears between the two checks was just published by

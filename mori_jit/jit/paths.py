@@ -26,7 +26,7 @@ def _is_root(p: Path) -> bool:
 
 def source_root() -> Path:
     """The resolved source root (re-read each call: ``MORI_SOURCE_ROOT`` may change in tests)."""
-    env = knobs.source_root()
+    env = knobs.source.root
     if env is not None:
         if not _is_root(env):
             raise SourceRootError(f"MORI_SOURCE_ROOT={env} does not hold kernels/ and templates/")
@@ -36,7 +36,7 @@ def source_root() -> Path:
 
 def source_root_origin(root: Path) -> str:
     """Where ``root`` (a :func:`source_root` answer) comes from: ``MORI_SOURCE_ROOT``, ``packaged copy`` or ``checkout``."""
-    if knobs.source_root() is not None:
+    if knobs.source.root is not None:
         return "MORI_SOURCE_ROOT"
     packaged = _PKG / "_sources"
     return "packaged copy" if root in (packaged, packaged.resolve()) else "checkout"

@@ -110,7 +110,7 @@ class Spec(abc.ABC):
         """The complete translation unit for ``cfg`` on ``toolchain.arch``."""
         if type(cfg) is not self.cfg_type:
             raise TypeError(f"{self.name}: expected a {self.cfg_type.__name__}, got {type(cfg).__name__}")
-        tmpl = _jinja_env(str(templates_dir()), str(knobs.cache_dir() / "jinja")).get_template(self.template)
+        tmpl = _jinja_env(str(templates_dir()), str(knobs.cache.dir / "jinja")).get_template(self.template)
         return tmpl.render(spec=self.name, arch=toolchain.arch, vendor=toolchain.vendor,
                            platform_header=platform_header(toolchain), cfg=render_cfg(cfg),
                            cfg_type=self.cfg_type.__name__, args_type=self.args.name,

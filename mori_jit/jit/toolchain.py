@@ -104,12 +104,12 @@ _DEFAULT_FLAGS = {"amd": ("-O3",), "nvidia": ("-O3", "-lineinfo", "--expt-relaxe
 def find_compiler(vendor: str) -> str:
     """The absolute path of the ``amd`` (hipcc) or ``nvidia`` (nvcc) compiler; ToolchainError names what was tried."""
     if vendor == "amd":
-        tried = [knobs.hipcc_path(), os.path.join(knobs.rocm_path(), "bin", "hipcc"), "/opt/rocm/bin/hipcc",
+        tried = [knobs.compiler.hipcc, os.path.join(knobs.compiler.rocm_path, "bin", "hipcc"), "/opt/rocm/bin/hipcc",
                  shutil.which("hipcc")]
         var = "MORI_JIT_HIPCC"
     else:
-        home = knobs.cuda_home()
-        tried = [knobs.nvcc_path(), os.path.join(home, "bin", "nvcc") if home else None,
+        home = knobs.compiler.cuda_home or knobs.compiler.cuda_path
+        tried = [knobs.compiler.nvcc, os.path.join(home, "bin", "nvcc") if home else None,
                  "/usr/local/cuda/bin/nvcc", shutil.which("nvcc")]
         var = "MORI_JIT_NVCC"
     explicit = tried[0]
@@ -153,10 +153,11 @@ def make_toolchain(arch: str, *, need_compiler: bool = True) -> Toolchain:
     except ToolchainError:
         if need_compiler:
             raise
-        return Toolchain(arch, vendor, "", "", _DEFAULT_FLAGS[vendor] + knobs.extra_flags(), knobs.device_nic())
+        return Toolchain(arch, vendor, "", "", _DEFAULT_FLAGS[vendor] + knobs.compiler.extra_flags,
+                         knobs.compiler.device_nic)
     sig = _signature(compiler, os.stat(compiler).st_mtime_ns, vendor)
-    return Toolchain(arch, vendor, compiler, sig, _DEFAULT_FLAGS[vendor] + knobs.extra_flags(),
-                     knobs.device_nic())
+    return Toolchain(arch, vendor, compiler, sig, _DEFAULT_FLAGS[vendor] + knobs.compiler.extra_flags,
+                     knobs.compiler.device_nic)
 
 
 def detect_arch() -> str:
@@ -202,7 +203,7 @@ def get_toolchain() -> Toolchain:
         return _resolved
     with _lock:
         if _resolved is None:
-            env_arch = knobs.jit_arch()
+            env_arch = knobs.compiler.arch
             if env_arch and _override and env_arch != _override:
                 raise ToolchainError(f"MORI_JIT_ARCH={env_arch!r} conflicts with the arch override {_override!r}")
             _resolved = make_toolchain(env_arch or _override or detect_arch())

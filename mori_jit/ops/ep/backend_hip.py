@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from mori_jit.jit import knobs
+from . import knobs
 from mori_jit.jit.compile import build_many
 from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
@@ -153,7 +153,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         err_words = (ctypes.c_uint64 * 4).from_address(err.data_ptr())
         base = EP_ARGS.ctype()
         base.rank = cfg.rank
-        base.timeoutNs = int(knobs.ep_timeout_s() * 1e9)
+        base.timeoutNs = int(knobs.ep.timeout_s * 1e9)
         base.errWord = err.data_ptr()
         for pe, ptr in enumerate(arena.peer_bases):
             base.peerBase[pe] = ptr

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from mori_jit.jit import knobs
+from . import knobs
 from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
 from mori_jit.jit.codegen import GeneratedHeader, register_header
 from mori_jit.jit.expr import C, Derived, where
@@ -315,7 +315,7 @@ def _env_overrides(kind: str) -> dict[str, str]:
     out: dict[str, str] = {}
     legs = (DISPATCH.upper() + "_", COMBINE.upper() + "_")
     for specific in (False, True):
-        for raw, value in knobs.ep_geometry_overrides().items():
+        for raw, value in knobs.ep.cfg_overrides.items():
             leg = next((p for p in legs if raw.startswith(p)), None)
             if (leg is not None) != specific or (leg and leg != kind.upper() + "_"):
                 continue

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mori_jit.jit import knobs
+from . import knobs
 
 __all__ = ["EpDispatchCombineConfig", "DISPATCH_DTYPES", "COMBINE_DTYPES", "BACKENDS", "DEFAULT_BACKEND"]
 
@@ -138,7 +138,7 @@ class EpDispatchCombineConfig:
 
     def backend(self) -> str:
         """``kernel_backend`` → ``MORI_V2_KERNEL_BACKEND`` → ``hip``."""
-        name = self.kernel_backend or knobs.kernel_backend() or DEFAULT_BACKEND
+        name = self.kernel_backend or knobs.ep.kernel_backend or DEFAULT_BACKEND
         if name not in BACKENDS:
             raise ValueError(f"MORI_V2_KERNEL_BACKEND={name!r}: allowed {BACKENDS}")
         return name
