@@ -191,7 +191,7 @@ EpBlockThreads = Derived("EpBlockThreads", "EpCfg", C.warpPerBlock * C.waveSize,
 EpMaxRecv = Derived("EpMaxRecv", "EpCfg", where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv),
                     doc="receive capacity in rows; also the stride of the flat index pe*maxRecv+slot")
 EpNumExperts = Derived("EpNumExperts", "EpCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
-# Tokens per combine range (see ep_combine.hpp): 2, or 1 for a low-latency combine whose every
+# Tokens per combine range (see ep_combine_words.hpp): 2, or 1 for a low-latency combine whose every
 # peer-token task fits in the grid, so that each block sends at most one row per peer and sums at
 # most one token (measured at hip_tuning.ONE_TOKEN_COMBINE: such an op gets every SM). The flag
 # protocol needs 2 on every rank (a range flag's unit); low latency has no flags, so ranks may differ.
