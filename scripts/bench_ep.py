@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ep_dist import run_distributed  # noqa: E402
-from mori_jit.ops.ep.cfg import EP_STAMP_WORDS, Stamp  # noqa: E402
+from mori_jit.ops.ep.kernel_cfg import EP_STAMP_WORDS, Stamp  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 #: GPU cycles (~2 GHz) slept before each timed loop: longer than the host needs to queue the loop.
@@ -181,7 +181,7 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     return _timed(*_time_pairs(fwd, back, iters, lambda i: None))
 
 
-#: Phase stamps written by the kernels (``Stamp``, declared in mori_jit/ops/ep/cfg.py), as µs
+#: Phase stamps written by the kernels (``Stamp``, declared in mori_jit/ops/ep/kernel_cfg.py), as µs
 #: since the kernel's start: (label, stamp, start stamp).
 PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDispStart),
           ("disp: block 0 copies done", Stamp.kStDispLoopDone, Stamp.kStDispStart),

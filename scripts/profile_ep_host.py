@@ -42,7 +42,7 @@ def _job(rank, ws, n, reps):
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
     from mori_jit.ops.ep import op as opmod
     from mori_jit.ops.ep.backend_hip import CombineOutputs
-    from mori_jit.ops.ep.cfg import COMBINE
+    from mori_jit.ops.ep.kernel_cfg import COMBINE
 
     dev = torch.device("cuda", 0)
     hidden, k = 7168, 8

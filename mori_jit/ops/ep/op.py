@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .arena import SymmArena
 from .config import EpDispatchCombineConfig
-from .hip_tuning import Schedule
+from .schedule import Schedule
 
 __all__ = ["EpDispatchCombineOp", "KernelSet", "EpUnsupportedError", "EpDeviceError"]
 
@@ -53,7 +53,7 @@ class KernelSet:
     capabilities: frozenset[str]  # e.g. "graph": no host work between rounds, so a step can be captured
     check: Callable[[], None] = lambda: None
     reset: Callable[[], None] = lambda: None
-    staging_view: Optional[Callable[[], torch.Tensor]] = None
+    combine_input_buffer: Optional[Callable[[], torch.Tensor]] = None
     close: Callable[[], None] = lambda: None
     bound_launches: dict[str, tuple[Callable[[], None], ...]] = dataclasses.field(default_factory=dict)
 
@@ -228,9 +228,9 @@ class EpDispatchCombineOp(abc.ABC):
         are ignored.
         """
         k = self._live()
-        if k.staging_view is None:
+        if k.combine_input_buffer is None:
             raise EpUnsupportedError(f"{type(self).__name__} has no combine input buffer")
-        return k.staging_view()
+        return k.combine_input_buffer()
 
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
