@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import REPO
-from ep_dist import run_distributed
 
 from mori_jit.jit.fields import ConfigError
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
 from mori_jit.ops.ep import tuning
 from mori_jit.ops.ep.kernel_cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
 from mori_jit.ops.ep.variants import DEFAULT_NUM_CUS, ep_variants
+from mori_jit.testing.distributed import run_distributed
 
 FP8 = torch.float8_e4m3fn
 

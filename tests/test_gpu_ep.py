@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from ep_dist import run_distributed
+from mori_jit.testing.distributed import run_distributed
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]

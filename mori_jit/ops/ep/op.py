@@ -42,7 +42,7 @@ class KernelSet:
 
     ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``;
     ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
-    output tensors or None). ``bound_launches``, for diagnostics (``scripts/profile_ep_host.py``):
+    output tensors or None). ``bound_launches``, for diagnostics (``tools/profile_ep_host.py``):
     per leg (``"dispatch"``, ``"combine"``), each bucket's zero-argument launch
     (:meth:`mori_jit.jit.plan.Plan.bind_struct`) of the args struct the leg's last call filled.
     """

@@ -10,7 +10,7 @@ clamps blocks to the device's CU/SM count (combine's cross-device barrier needs 
 resident). When two geometries measure within noise, the table holds the smaller one: it leaves SMs
 to the expert GEMMs that overlap with communication.
 
-Entries come from ``scripts/bench_ep.py --sweep`` (see docs/PERF.md for the runs behind them).
+Entries come from ``tools/bench_ep.py --sweep`` (see docs/PERF.md for the runs behind them).
 """
 from __future__ import annotations
 

@@ -7,21 +7,19 @@ backend's launch (``op.kernels``: args struct + driver call), the driver's ``cuL
 (cuda-bindings and ctypes), and the whole ``op.dispatch``/``op.combine`` calls. Two rounds, as the
 device VM's host speed drifts between phases (``docs/PERF.md``, session 7).
 
-    CUDA_VISIBLE_DEVICES=0 python3 scripts/profile_ep_host.py [--tokens 128] [--reps 3000]
+    CUDA_VISIBLE_DEVICES=0 python3 tools/profile_ep_host.py [--tokens 128] [--reps 3000]
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from ep_dist import run_distributed  # noqa: E402
+from mori_jit.testing.distributed import run_distributed
 
 
 def _timer(reps: int):
