@@ -16,8 +16,8 @@ import functools
 import json
 import os
 import shutil
+import logging
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,11 +27,14 @@ import filelock
 
 from . import cache, knobs
 from .key import cache_key, include_hash
+from .log import apply_verbosity
 from .paths import kernels_dir, source_root
 from .spec import Spec
 from .toolchain import Toolchain
 
 __all__ = ["CompileError", "Resolved", "resolve", "build", "build_many"]
+
+_logger = logging.getLogger(__name__)
 
 
 class CompileError(RuntimeError):
@@ -71,17 +74,12 @@ def resolve(spec: Spec, cfg: Any, toolchain: Toolchain, *, fresh_include_hash: b
     return Resolved(spec.name, name, src, key, cache.entry_dir(toolchain.arch, toolchain.nic, name, key))
 
 
-def _log(msg: str, level: int = 1) -> None:
-    if knobs.log.verbose >= level:
-        print(f"[mori-jit] {msg}", file=sys.stderr, flush=True)
-
-
 def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
     src = tmp / cache.SOURCE_NAME
     src.write_text(res.source)
     binary = tmp / f"kernel.{toolchain.binary_ext}"
     cmd = toolchain.command(src, binary, [kernels_dir()])
-    _log(" ".join(cmd), 2)
+    _logger.debug("%s", " ".join(cmd))
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=toolchain.env(), cwd=tmp)
@@ -104,10 +102,11 @@ def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
 
 def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | None = None) -> cache.Entry:
     """The verified entry for ``cfg``, compiling it on a miss (or when the entry is corrupt)."""
+    apply_verbosity()
     res = resolved or resolve(spec, cfg, toolchain)
     entry = cache.verify_entry(res.path)
     if entry is not None:
-        _log(f"hit {res.path.name}", 2)
+        _logger.debug("hit %s", res.path.name)
         return entry
     lock_path = cache.cache_root() / "locks" / f"{res.key}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +115,7 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
         lock.acquire()
         locked = True
     except filelock.Timeout:
-        _log(f"lock {lock_path} still held after {knobs.cache.lock_timeout_s}s; compiling anyway")
+        _logger.info("lock %s still held after %ss; compiling anyway", lock_path, knobs.cache.lock_timeout_s)
         locked = False
     try:
         # Look before verifying: an entry that appears between the two checks was just published by
@@ -126,9 +125,9 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
         if entry is not None:
             return entry
         if existed:
-            _log(f"corrupt entry {res.path}: rebuilding")
+            _logger.info("corrupt entry %s: rebuilding", res.path)
             cache.discard(res.path)
-        _log(f"compiling {res.entry_name} for {toolchain.arch}")
+        _logger.info("compiling %s for %s", res.entry_name, toolchain.arch)
         tmp = cache.new_tmp_dir()
         try:
             _compile_into(res, toolchain, tmp)

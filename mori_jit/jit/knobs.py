@@ -230,8 +230,8 @@ class LogKnobs(Group):
     """What mori-jit reports while it works."""
 
     name = "log"
-    verbose = LevelSetting("MORI_JIT_VERBOSE", 0, "0 warnings only, 1 also compiles and cache hits, "
-                                                  "2 also compile commands and error tracebacks")
+    verbose = LevelSetting("MORI_JIT_VERBOSE", 0, "the mori_jit logger's level: 1 INFO (compiles), 2 DEBUG (also "
+                                                  "compile commands, cache hits, and the CLI's tracebacks)")
 
 
 compiler = CompilerKnobs()
