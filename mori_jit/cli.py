@@ -85,7 +85,7 @@ def _resolve_arch(arch: str | None, *, from_compiler: bool = False) -> tuple[str
     from .jit.toolchain import ToolchainError, compiler_default_arch, detect_arch
     if arch:
         return arch, "--arch"
-    env = knobs.jit_arch()
+    env = knobs.compiler.arch
     if env:
         return env, "MORI_JIT_ARCH"
     try:
@@ -114,16 +114,8 @@ def _toolchain(arch: str | None, *, need_compiler: bool = True, from_compiler: b
     Rendering never runs the compiler, so ``render``/``describe`` work without one
     (``need_compiler=False`` gives a toolchain with an empty compiler and signature).
     """
-    from .jit import knobs, toolchain as tcmod
-    a = _arch_or_error(arch, from_compiler=from_compiler)
-    try:
-        return tcmod.make_toolchain(a)
-    except tcmod.ToolchainError:
-        if need_compiler:
-            raise
-        vendor = tcmod.vendor_of(a)  # a bad arch is still an error
-        return tcmod.Toolchain(a, vendor, "", "", tcmod._DEFAULT_FLAGS.get(vendor, ()) + knobs.extra_flags(),
-                               knobs.device_nic())
+    from .jit.toolchain import make_toolchain
+    return make_toolchain(_arch_or_error(arch, from_compiler=from_compiler), need_compiler=need_compiler)
 
 
 def _spec(name: str):
@@ -207,31 +199,33 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _known_env_vars() -> tuple[list[str], list[str]]:
-    """(names, prefixes) of every variable mori-jit reads, from the docstrings in knobs.py."""
+def _settings_lines() -> list[str]:
+    """The environment section of ``info``: what is set, what is not recognised, and every setting
+    (group, variable, type, default, doc) from its declaration (:func:`mori_jit.jit.knobs.all_groups`)."""
     from .jit import knobs
-    names: set[str] = set()
-    prefixes: set[str] = set()
-    for fn_name in knobs.__all__:
-        doc = getattr(knobs, fn_name).__doc__ or ""
-        for m in re.finditer(r"``([A-Z][A-Z0-9_]*)(<[^`]*>)?[A-Z0-9_]*``", doc):
-            (prefixes if m.group(2) else names).add(m.group(1))
-    return sorted(names), sorted(prefixes)
+    groups = knobs.all_groups()
+    settings = [s for g in groups for s in g.settings()]
+    set_vars = {k: v for k, v in os.environ.items() if any(s.matches(k) for s in settings)}
+    unknown = sorted(k for k in os.environ if k.startswith("MORI_") and k not in set_vars)
+    out = ["environment:" + ("" if set_vars else " (none of mori-jit's variables is set)")]
+    out += [f"    {k}={set_vars[k]}" for k in sorted(set_vars)]
+    if unknown:
+        out.append("unrecognised MORI_* variables (ignored): " + ", ".join(unknown))
+    out.append("settings (variable, type, meaning; default):")
+    width = max(len(s.label) for s in settings)
+    for g in groups:
+        out.append(f"  {g.name}")
+        out += [f"    {s.label:<{width}}  {s.type_name:<6} {s.doc}; default: {s.default_text()}" for s in g.settings()]
+    return out
 
 
 def _source_root_line() -> str:
-    from .jit import knobs, paths
+    from .jit import paths
     try:
         root = paths.source_root()
     except paths.SourceRootError as e:
         return f"(error: {e})"
-    if knobs.source_root() is not None:
-        origin = "MORI_SOURCE_ROOT"
-    elif root == (paths._PKG / "_sources").resolve() or root == paths._PKG / "_sources":
-        origin = "packaged copy"
-    else:
-        origin = "checkout"
-    return f"{root} ({origin})"
+    return f"{root} ({paths.source_root_origin(root)})"
 
 
 def _compilers_lines() -> list[str]:
@@ -287,16 +281,7 @@ def cmd_info(args) -> int:
     root = cache.cache_root()
     out.append(f"cache dir:   {root} ({len(cache.list_entries())} entries)")
     out.append(f"specs:       {', '.join(s.name for s in all_specs())}")
-    names, prefixes = _known_env_vars()
-    set_vars = {k: v for k, v in os.environ.items()
-                if k in names or any(k.startswith(p) for p in prefixes)}
-    unknown = {k: v for k, v in os.environ.items()
-               if k.startswith("MORI_") and k not in set_vars}
-    out.append("environment:" + ("" if set_vars else " (none of mori-jit's variables is set)"))
-    out += [f"    {k}={set_vars[k]}" for k in sorted(set_vars)]
-    if unknown:
-        out.append("unrecognised MORI_* variables (ignored): " + ", ".join(sorted(unknown)))
-    out.append("variables read: " + ", ".join(names + [p + "*" for p in prefixes]))
+    out += _settings_lines()
     print("\n".join(out))
     return 0
 
@@ -349,21 +334,11 @@ def cmd_compile(args) -> int:
 # precompile
 # ----------------------------------------------------------------------------------------------
 
-def _axpy_variants(spec, toolchain) -> list:
-    """example_axpy for each dtype, with the widest (16-byte) vector that dtype allows."""
-    from .examples.axpy_spec import AxpyDType, AxpyElemBytes
-    out = []
-    for dt in AxpyDType:
-        elem = AxpyElemBytes(types.SimpleNamespace(dtype=dt))  # the shared arithmetic, not a copy
-        out.append(spec.make_cfg(toolchain, {"dtype": dt, "vecElems": 16 // elem}))
-    return out
-
-
 def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> list[tuple[Any, Any]]:
     """Every ``(spec, cfg)`` that ``mori-jit precompile`` builds for ``toolchain``.
 
-    Without ``ep_request``: every registered spec's default cfg, plus ``example_axpy`` for each
-    dtype. With it (``--ep KEY=VALUE ...``: EpDispatchCombineConfig fields plus ``num_cus``): exactly
+    Without ``ep_request``: what each registered spec's :meth:`~mori_jit.jit.spec.Spec.precompile_cfgs`
+    names. With it (``--ep KEY=VALUE ...``: EpDispatchCombineConfig fields plus ``num_cus``): exactly
     the EP variants a live ``hip`` op with that config compiles — the same tuning tables and Cfg
     construction (:func:`mori_jit.ops.ep.variants.plan_requests`). Duplicates are removed by the caller.
     """
@@ -371,13 +346,7 @@ def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> l
     if ep_request:  # exactly the variants a live op with that config compiles
         from .ops.ep.variants import precompile_targets as ep_targets
         return ep_targets(ep_request, toolchain.arch)
-    targets = []
-    for spec in all_specs():
-        if spec.name == "example_axpy":
-            targets += [(spec, cfg) for cfg in _axpy_variants(spec, toolchain)]
-        else:
-            targets.append((spec, spec.default_cfg(toolchain)))
-    return targets
+    return [(spec, cfg) for spec in all_specs() for cfg in spec.precompile_cfgs(toolchain)]
 
 
 def cmd_precompile(args) -> int:
@@ -559,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _verbose() -> int:
     try:
         from .jit import knobs
-        return knobs.verbose()
+        return knobs.log.verbose
     except Exception:  # pragma: no cover - a malformed variable must not hide the real error
         return 0
 

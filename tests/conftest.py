@@ -1,10 +1,9 @@
 """Shared fixtures of the CPU tests.
 
 * every test that is not marked ``gpu`` gets its own ``MORI_JIT_CACHE_DIR`` (under ``tmp_path``),
-  a freshly reset process toolchain and compiler-signature memo, and none of the knobs that change
-  keys or behaviour (``MORI_JIT_ARCH``, ``MORI_JIT_EXTRA_FLAGS``, ``MORI_DEVICE_NIC``,
-  ``MORI_SOURCE_ROOT``, ``MORI_JIT_KEEP_FAILED``, ``MORI_JIT_VERBOSE``, ``MORI_V2_EP_*``) inherited
-  from the shell;
+  a freshly reset process toolchain and compiler-signature memo, and none of mori-jit's ``MORI_*``
+  settings (:func:`mori_jit.jit.knobs.all_settings`) inherited from the shell but those that say
+  where the compilers are (``MORI_JIT_HIPCC``, ``MORI_JIT_NVCC``);
 * ``fake_cc``: the fake compiler (``tests/fake_compiler.py``) as both nvcc and hipcc;
 * ``no_compilers``: a machine with neither hipcc nor nvcc installed (the fake stays usable through
   ``MORI_JIT_HIPCC``/``MORI_JIT_NVCC``);
@@ -22,15 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from mori_jit.jit import toolchain as _toolchain
+from mori_jit.jit import knobs, toolchain as _toolchain
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 FAKE_NVCC = TESTS / "bin" / "fake-nvcc"
 FAKE_HIPCC = TESTS / "bin" / "fake-hipcc"
 
-_SCRUB = ("MORI_JIT_ARCH", "MORI_JIT_EXTRA_FLAGS", "MORI_DEVICE_NIC", "MORI_SOURCE_ROOT", "MORI_JIT_KEEP_FAILED",
-          "MORI_JIT_VERBOSE", "MORI_JIT_LOCK_TIMEOUT_S")
+_KEEP = (knobs.CompilerKnobs.hipcc, knobs.CompilerKnobs.nvcc)  # where the compilers are
+_SCRUB = [s for s in knobs.all_settings() if s.var.startswith("MORI_") and s not in _KEEP]
 
 
 def _reset_toolchain() -> None:
@@ -43,11 +42,9 @@ def _isolated_jit(request, monkeypatch, tmp_path):
     if request.node.get_closest_marker("gpu") is not None:
         yield  # gpu tests run under the caller's environment (and shared cache)
         return
+    for name in [k for k in os.environ if k.startswith("FAKE_CC_") or any(s.matches(k) for s in _SCRUB)]:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MORI_JIT_CACHE_DIR", str(tmp_path / "jit-cache"))
-    for name in _SCRUB:
-        monkeypatch.delenv(name, raising=False)
-    for name in [k for k in os.environ if k.startswith("MORI_V2_EP_") or k.startswith("FAKE_CC_")]:
-        monkeypatch.delenv(name, raising=False)
     _reset_toolchain()
     yield
     _reset_toolchain()
@@ -109,8 +106,8 @@ def src_copy(monkeypatch, tmp_path) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _mps_daemon_stopped_at_end():
-    """Stop the CUDA MPS daemon the GPU harness (``tests/gpu_world.py``) started, even on failure."""
+    """Stop the CUDA MPS daemon the GPU harness (``mori_jit/testing/gpu_world.py``) started, even on failure."""
     yield
-    harness = sys.modules.get("gpu_world")
+    harness = sys.modules.get("mori_jit.testing.gpu_world")
     if harness is not None:
         harness.stop_mps()

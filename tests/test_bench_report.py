@@ -1,15 +1,15 @@
-"""CPU test of scripts/bench_ep.py's report: the derived columns are computed from the raw times."""
+"""CPU test of tools/bench_ep.py's report: the derived columns are computed from the raw times."""
 from __future__ import annotations
 
 import importlib.util
 import json
 
 from conftest import REPO
-from ep_dist import run_distributed
+from mori_jit.testing.distributed import run_distributed
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_ep", REPO / "scripts" / "bench_ep.py")
+    spec = importlib.util.spec_from_file_location("bench_ep", REPO / "tools" / "bench_ep.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -52,8 +52,10 @@ def test_gpu_scripts_import_and_refuse_cleanly_without_enough_gpus(capsys):
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has GPUs: the scripts would run for real")
-    for name, args in (("profile_ep_host", ["--tokens", "8", "--reps", "10"]), ("probe_link_rates", ["--mib", "1"])):
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    for path, args in (("profile_ep_host", ["--tokens", "8", "--reps", "10"]),
+                       ("probes/probe_link_rates", ["--mib", "1"])):
+        name = path.rsplit("/", 1)[-1]
+        spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{path}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         if name == "profile_ep_host" and torch.cuda.is_available():
@@ -63,7 +65,7 @@ def test_gpu_scripts_import_and_refuse_cleanly_without_enough_gpus(capsys):
 
 
 def test_phase_times_are_medians_and_skip_stamps_never_written():
-    from mori_jit.ops.ep.cfg import EP_STAMP_WORDS, Stamp
+    from mori_jit.ops.ep.kernel_cfg import EP_STAMP_WORDS, Stamp
 
     bench = _bench_module()
     rows = []

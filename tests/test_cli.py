@@ -140,16 +140,15 @@ def test_compile_builds_then_hits(fake_cc, capsys):
     assert rc == 0 and out2 == out and len(fake_cc.compiles()) == 1
 
 
-def test_precompile_targets_hook():
-    tc = make_toolchain("sm_90a") if shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc") else None
-    if tc is None:
-        pytest.skip("no nvcc to build a toolchain with")
+def test_precompile_targets_come_from_each_specs_hook(fake_cc):
+    tc = make_toolchain("sm_90a")
     targets = precompile_targets(tc, {})
-    names = [s.name for s, _ in targets]
-    assert set(names) == {s.name for s in all_specs()}
+    assert [(s.name, c) for s, c in targets] == [(s.name, c) for s in all_specs() for c in s.precompile_cfgs(tc)]
     axpy = [c for s, c in targets if s.name == "example_axpy"]
     assert {c.dtype for c in axpy} == set(AxpyDType)
     assert all(c.vecElems * (2 if c.dtype is AxpyDType.Bf16 else 4) == 16 for c in axpy)
+    others = [(s, c) for s, c in targets if s.name != "example_axpy"]
+    assert others and all(c == s.default_cfg(tc) for s, c in others)
 
 
 def test_precompile_progress_then_all_hits(fake_cc, capsys):

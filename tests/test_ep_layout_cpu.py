@@ -12,7 +12,7 @@ import pytest
 
 from mori_jit.ops.ep.arena import ALIGN, layout
 from mori_jit.ops.ep.backend_hip import decode_error
-from mori_jit.ops.ep.cfg import EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EP_STAMP_WORDS, EpCfg, EpDType, region_bytes
+from mori_jit.ops.ep.kernel_cfg import EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EP_STAMP_WORDS, EpCfg, EpDType, region_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_every_arena_region_is_used_by_a_kernel():
 
 def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
     from mori_jit.ops.ep.backend_hip import WAIT_MESSAGES
-    from mori_jit.ops.ep.cfg import ErrCode, Stamp, WaitId, XdbRow
+    from mori_jit.ops.ep.kernel_cfg import ErrCode, Stamp, WaitId, XdbRow
 
     assert set(WAIT_MESSAGES) == set(WaitId)
     # the values are an ABI between kernels, host and recorded benchmark data
@@ -73,7 +73,7 @@ def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
 
 
 def test_sync_words_leave_room_for_the_parity_pairs():
-    from mori_jit.ops.ep.cfg import EP_SYNC_WORDS, SYNC_PAIRS, SyncWord
+    from mori_jit.ops.ep.kernel_cfg import EP_SYNC_WORDS, SYNC_PAIRS, SyncWord
 
     # a claim counter is two words (word + epoch parity): its second word is no other word
     used = [int(w) for w in SyncWord] + [int(w) + 1 for w in SYNC_PAIRS]

@@ -5,16 +5,20 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from ep_dist import run_distributed
+from conftest import REPO
 
 from mori_jit.jit.fields import ConfigError
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
-from mori_jit.ops.ep import hip_tuning
-from mori_jit.ops.ep.cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
+from mori_jit.ops.ep import tuning
+from mori_jit.ops.ep.kernel_cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
 from mori_jit.ops.ep.variants import DEFAULT_NUM_CUS, ep_variants
+from mori_jit.testing.distributed import run_distributed
 
 FP8 = torch.float8_e4m3fn
 
@@ -169,30 +173,30 @@ def test_make_ep_cfg_env_overrides(monkeypatch):
 
 def test_tuning_lookup_merges_misaligned_edges_and_clamps(monkeypatch):
     key = (2, 7168, 8, None)
-    monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "bf16", {key: [(128, 32, 8), (1024, 64, 16), (None, 132, 16)]})
-    monkeypatch.setattr(hip_tuning, "COMBINE_TABLE", {key: [(256, 16, 8), (None, 200, 4)]})
-    s = hip_tuning.lookup("bf16", 2, 7168, 8, 128, num_cus=132)
+    monkeypatch.setitem(tuning.DISPATCH_TABLE, "bf16", {key: [(128, 32, 8), (1024, 64, 16), (None, 132, 16)]})
+    monkeypatch.setattr(tuning, "COMBINE_TABLE", {key: [(256, 16, 8), (None, 200, 4)]})
+    s = tuning.lookup("bf16", 2, 7168, 8, 128, num_cus=132)
     assert s.edges == (128, 256, 1024, None)
     assert s.dispatch == ((32, 8), (64, 16), (64, 16), (132, 16))
     assert s.combine == ((16, 8), (16, 8), (132, 4), (132, 4))  # 200 clamped to 132 SMs
     assert [s.index(n) for n in (0, 128, 129, 256, 257, 1024, 1025, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
     # a dtype whose dispatch is unswept: default dispatch, but combine is dtype-free
-    monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "fp8", {})
-    d = hip_tuning.lookup("fp8", 2, 7168, 8, 128, num_cus=132)
-    assert d.edges == (256, None) and d.dispatch == (hip_tuning.DEFAULT_DISPATCH,) * 2
+    monkeypatch.setitem(tuning.DISPATCH_TABLE, "fp8", {})
+    d = tuning.lookup("fp8", 2, 7168, 8, 128, num_cus=132)
+    assert d.edges == (256, None) and d.dispatch == (tuning.DEFAULT_DISPATCH,) * 2
     assert d.combine == ((16, 8), (132, 4))
     # an unswept shape: the single default
-    u = hip_tuning.lookup("bf16", 4, 4096, 8, 128, num_cus=132)
-    assert u.edges == (None,) and u.dispatch == (hip_tuning.DEFAULT_DISPATCH,)
-    assert u.combine == (hip_tuning.DEFAULT_COMBINE,)
+    u = tuning.lookup("bf16", 4, 4096, 8, 128, num_cus=132)
+    assert u.edges == (None,) and u.dispatch == (tuning.DEFAULT_DISPATCH,)
+    assert u.combine == (tuning.DEFAULT_COMBINE,)
     # experts_per_rank is a wildcard in this entry but an exact key wins
-    monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "bf16", {key: [(None, 8, 8)], (2, 7168, 8, 64): [(None, 4, 4)]})
-    assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 64, 132).dispatch) == {(4, 4)}
-    assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 128, 132).dispatch) == {(8, 8)}
+    monkeypatch.setitem(tuning.DISPATCH_TABLE, "bf16", {key: [(None, 8, 8)], (2, 7168, 8, 64): [(None, 4, 4)]})
+    assert set(tuning.lookup("bf16", 2, 7168, 8, 64, 132).dispatch) == {(4, 4)}
+    assert set(tuning.lookup("bf16", 2, 7168, 8, 128, 132).dispatch) == {(8, 8)}
     # warps are counted on the swept arch: a 64-wide wave caps them at 1024 threads per block
-    monkeypatch.setitem(hip_tuning.DISPATCH_TABLE, "bf16", {key: [(None, 132, 32)]})
-    assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 128, 304, max_warps=16).dispatch) == {(132, 16)}
-    assert set(hip_tuning.lookup("bf16", 2, 7168, 8, 128, 132).dispatch) == {(132, 32)}
+    monkeypatch.setitem(tuning.DISPATCH_TABLE, "bf16", {key: [(None, 132, 32)]})
+    assert set(tuning.lookup("bf16", 2, 7168, 8, 128, 304, max_warps=16).dispatch) == {(132, 16)}
+    assert set(tuning.lookup("bf16", 2, 7168, 8, 128, 132).dispatch) == {(132, 32)}
 
 
 def test_variants_follow_schedule_and_pins():
@@ -250,7 +254,7 @@ def test_low_latency_is_the_ops_choice_and_reaches_the_combine_leg_only():
     from mori_jit.ops.ep.specs import EP_COMBINE as COMBINE_SPEC
 
     base = dict(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128, num_experts_per_token=8)
-    cut = hip_tuning.LOW_LATENCY_MAX_TOKENS
+    cut = tuning.LOW_LATENCY_MAX_TOKENS
 
     def legs(m, **kw):
         v = ep_variants(EpDispatchCombineConfig(**base, max_num_inp_token_per_rank=m, **kw), "sm_90a", 132)
@@ -275,7 +279,7 @@ def test_low_latency_is_the_ops_choice_and_reaches_the_combine_leg_only():
 
 
 def test_low_latency_ops_whose_tasks_fit_the_grid_take_every_sm_and_one_token_ranges():
-    from mori_jit.ops.ep.cfg import EpRangeTok
+    from mori_jit.ops.ep.kernel_cfg import EpRangeTok
 
     base = dict(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128, num_experts_per_token=8)
 
@@ -283,7 +287,7 @@ def test_low_latency_ops_whose_tasks_fit_the_grid_take_every_sm_and_one_token_ra
         v = ep_variants(EpDispatchCombineConfig(**{**base, **kw}, max_num_inp_token_per_rank=m), "sm_90a", num_cus)
         return [(c.blockNum, EpRangeTok(c)) for c in v.combine]
 
-    table = {(b, 2) for _, b, _ in hip_tuning.COMBINE_TABLE[(2, 7168, 8, 128)]}  # (64, 2), (132, 2)
+    table = {(b, 2) for _, b, _ in tuning.COMBINE_TABLE[(2, 7168, 8, 128)]}  # (64, 2), (132, 2)
     small = min(table)  # the table's geometry for up to 128 tokens
     assert set(combine(128)) == {(132, 1)}  # 128 peer-token tasks fit 132 blocks: every SM, one token each
     assert set(combine(132)) == {(132, 1)} and combine(133)[0] == small  # the edge is the grid
@@ -296,14 +300,14 @@ def test_low_latency_ops_whose_tasks_fit_the_grid_take_every_sm_and_one_token_ra
 
 
 def test_one_token_ranges_take_their_tuning_and_an_override_still_wins(monkeypatch):
-    from mori_jit.ops.ep.cfg import EpRangeTok
+    from mori_jit.ops.ep.kernel_cfg import EpRangeTok
 
     def unrolls(m, **kw):
         cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128,
                                       num_experts_per_token=8, max_num_inp_token_per_rank=m, **kw)
         return {(EpRangeTok(c), c.vecUnroll) for c in ep_variants(cfg, "sm_90a", 132).combine}
 
-    one = hip_tuning.ONE_TOKEN_COMBINE["vecUnroll"]
+    one = tuning.ONE_TOKEN_COMBINE["vecUnroll"]
     default = EpCfg().vecUnroll
     assert one != default  # (else this test proves nothing)
     assert unrolls(128) == {(1, one)}
@@ -316,10 +320,10 @@ def test_one_token_ranges_take_their_tuning_and_an_override_still_wins(monkeypat
 
 
 def test_dispatch_buckets_whose_blocks_own_many_tokens_take_the_bulk_copy_path(monkeypatch):
-    from mori_jit.ops.ep.cfg import EpBulkSmemBytes, EpBulkStages, EpTokenBytes
+    from mori_jit.ops.ep.kernel_cfg import EpBulkSmemBytes, EpBulkStages, EpTokenBytes
     from mori_jit.ops.ep.specs import EP_DISPATCH
 
-    least = hip_tuning.BULK_DISPATCH_MIN_TOKENS
+    least = tuning.BULK_DISPATCH_MIN_TOKENS
 
     def dispatch(m, arch="sm_90a", **kw):
         cfg = EpDispatchCombineConfig(**{**dict(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128,
@@ -376,10 +380,10 @@ def test_combine_blocks_above_the_sm_count_are_refused(monkeypatch):
 
 
 def _shipped_entries():
-    for dtype, table in hip_tuning.DISPATCH_TABLE.items():
+    for dtype, table in tuning.DISPATCH_TABLE.items():
         for key, buckets in table.items():
             yield DISPATCH, dtype, key, buckets
-    for key, buckets in hip_tuning.COMBINE_TABLE.items():
+    for key, buckets in tuning.COMBINE_TABLE.items():
         yield COMBINE, "bf16", key, buckets
 
 
@@ -452,3 +456,14 @@ def test_combine_outputs_are_fresh_contiguous_and_shaped():
     for n in range(CombineOutputs._MAX_CACHED + 10):  # the template cache stays bounded
         fresh.y(n)
     assert len(fresh._like) <= CombineOutputs._MAX_CACHED
+
+
+def test_the_op_imports_no_backend_module():
+    """The backend-neutral op (and the package) import neither a backend nor its tuning tables."""
+    code = ("import sys, mori_jit.ops.ep, mori_jit.ops.ep.op; "
+            "print(sorted(m for m in sys.modules if m.startswith('mori_jit.ops.ep.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    loaded = set(eval(out))
+    assert "mori_jit.ops.ep.schedule" in loaded
+    assert not loaded & {"mori_jit.ops.ep.tuning", "mori_jit.ops.ep.backend_hip", "mori_jit.ops.ep.backend_torch",
+                         "mori_jit.ops.ep.kernel_cfg"}, loaded

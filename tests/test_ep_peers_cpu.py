@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from ep_dist import run_distributed
+from mori_jit.testing.distributed import run_distributed
 
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
 from mori_jit.ops.ep.peers import RankCard, config_mismatch, memory_kind, ranks_sharing_device

@@ -94,7 +94,7 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
     both protocols (range flags, low latency), and low latency with one-token ranges."""
     import dataclasses
 
-    from mori_jit.ops.ep.cfg import EpRangeTok
+    from mori_jit.ops.ep.kernel_cfg import EpRangeTok
 
     tc = toolchain_or_skip(arch)
     built = set()

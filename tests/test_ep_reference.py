@@ -13,11 +13,7 @@ import torch
 
 from mori_jit.ops.ep.golden import golden_check, make_inputs
 from mori_jit.ops.ep.reference import reference_combine, reference_dispatch
-
-try:  # tests/ on sys.path (pytest's default rootdir-relative import) or tests as a package
-    from ep_dist import run_distributed
-except ImportError:  # pragma: no cover
-    from tests.ep_dist import run_distributed
+from mori_jit.testing.distributed import run_distributed
 
 M = 48          # max tokens per rank
 HIDDEN = 256

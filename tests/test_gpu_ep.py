@@ -3,7 +3,7 @@
 Every check is the golden check of docs/design.md §6 on fresh random data, with outputs poisoned
 first. Every test runs at world sizes 1, 2, 4 and 8 (``MORI_EP_TEST_WORLD_SIZES``): one rank per
 GPU (NCCL) where there are enough GPUs, otherwise several ranks per GPU on the IPC arena provider
-and gloo under CUDA MPS (``tests/gpu_world.py``).
+and gloo under CUDA MPS (``mori_jit/testing/gpu_world.py``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from gpu_world import WORLD_SIZES, run_ep_job
+from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
@@ -155,7 +155,7 @@ def _bulk_job(rank, ws):
     waves; every dispatch dtype; and a block whose tokens take two routing rounds."""
     from mori_jit.jit.toolchain import detect_arch, has_bulk_copy
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.hip_tuning import BULK_DISPATCH_MIN_TOKENS as least
+    from mori_jit.ops.ep.tuning import BULK_DISPATCH_MIN_TOKENS as least
     from mori_jit.ops.ep.variants import ep_variants
 
     gen = torch.Generator().manual_seed(555 + rank)
@@ -212,7 +212,7 @@ def _graph_job(rank, ws):
             def step():
                 out, out_w, _, out_idx, total, routing = op.dispatch(sx, sw, None, sidx, return_routing=True)
                 if zero_copy:
-                    stage.copy_(out)  # the expert writes straight into the staging view
+                    stage.copy_(out)  # the expert writes straight into the combine input buffer
                     # ... and the caller's output tensors receive the result
                     y, y_w = op.combine(stage, weights=out_w, routing=routing, out=y_out, out_weights=y_w_out)
                     assert y is y_out and y_w is y_w_out
@@ -247,7 +247,7 @@ def _graph_job(rank, ws):
 
 
 def _combine_inputs_job(rank, ws):
-    """Combine from every kind of input: the staging view (zero-copy), a fresh tensor, and the
+    """Combine from every kind of input: the combine input buffer (zero-copy), a fresh tensor, and the
     dispatch output itself (in the arena, which a peer's next dispatch writes), with and without
     weights, token counts from 0 to m (one range to hundreds per rank), and two combines of one
     dispatch back to back (the second's pushes must not land while a peer still sums the first)."""

@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_dist import run_distributed
+from mori_jit.testing.distributed import run_distributed
 from mori_jit.cli import main
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg
 from mori_jit.jit import cache
 from mori_jit.jit.fields import ConfigError, render_cfg
 from mori_jit.jit.toolchain import make_toolchain
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-from mori_jit.ops.ep.cfg import EpCfg
+from mori_jit.ops.ep.kernel_cfg import EpCfg
 from mori_jit.ops.ep.variants import ep_variants
 
 ARCH = ["--arch", "sm_90a"]
@@ -178,7 +178,7 @@ def _routing_job(rank, ws):
         idx = torch.tensor([[0, 1]] * 4, dtype=torch.int32)
         out, _, _, _, total, routing = op.dispatch(x, None, None, idx, return_routing=True)
         for bad in (object(), "routing", 3, {"num_tokens": 4}):
-            with pytest.raises(ValueError, match="routing: expected the routing returned by this op's dispatch"):
+            with pytest.raises(ValueError, match="routing: expected the routing returned by this op's latest dispatch"):
                 op.combine(out, routing=bad)
         y, _ = op.combine(out, routing=routing)  # a valid round works afterwards
         assert y.shape == (4, 64)

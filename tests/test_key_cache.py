@@ -29,7 +29,7 @@ from mori_jit.jit.fields import cfg_fields
 from mori_jit.jit.registry import all_specs, get_spec
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import _signature, make_toolchain
-from mori_jit.ops.ep.cfg import EpCfg
+from mori_jit.ops.ep.kernel_cfg import EpCfg
 
 ARCHS = ["sm_90a", "gfx90a"]
 

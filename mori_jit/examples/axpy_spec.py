@@ -9,6 +9,7 @@ when it is added: the registry discovers ``*_spec.py`` modules.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from mori_jit.jit.args import ArgsSchema, f32, i64, ptr
 from mori_jit.jit.codegen import GeneratedHeader, register_header
@@ -84,6 +85,14 @@ class AxpySpec(Spec):
 
     def template_vars(self, cfg: AxpyCfg, toolchain) -> dict:
         return {"elem_t": {AxpyDType.Bf16: "mori::bf16_t", AxpyDType.Fp32: "float"}[cfg.dtype]}
+
+    def precompile_cfgs(self, toolchain) -> list[AxpyCfg]:
+        """One config per dtype, with the widest (16-byte) vector that dtype allows."""
+        out = []
+        for dt in AxpyDType:
+            elem = AxpyElemBytes(types.SimpleNamespace(dtype=dt))  # the shared arithmetic, not a copy
+            out.append(self.make_cfg(toolchain, {"dtype": dt, "vecElems": 16 // elem}))
+        return out
 
 
 AXPY = register(AxpySpec())

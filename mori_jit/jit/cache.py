@@ -69,7 +69,7 @@ class Entry:
 
 def cache_root() -> Path:
     """The cache directory (``MORI_JIT_CACHE_DIR``, see :mod:`mori_jit.jit.knobs`)."""
-    return knobs.cache_dir()
+    return knobs.cache.dir
 
 
 def entry_dir(arch: str, nic: str, entry_name: str, key: str) -> Path:
@@ -121,7 +121,7 @@ def _read_member(dfd: int, name: str) -> bytes:
             raise CorruptEntry(f"{name} is not a regular file ({stat.filemode(st.st_mode)})")
         if st.st_size > MAX_BYTES[name]:
             raise CorruptEntry(f"{name} has {st.st_size} bytes, more than the {MAX_BYTES[name]} allowed")
-        if not knobs.shared_cache() and (st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022):
+        if not knobs.cache.shared and (st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022):
             raise CorruptEntry(f"{name} is writable by another user (owner uid {st.st_uid}, mode "
                                f"{stat.S_IMODE(st.st_mode):04o})")
         data = f.read(MAX_BYTES[name] + 1)
@@ -247,7 +247,7 @@ def publish(tmp: Path, final: Path) -> bool:
     ``tmp`` must hold the source, the binary and ``meta.json``. The loser's ``tmp`` is deleted.
     """
     for f in tmp.iterdir():
-        if not knobs.shared_cache():  # (a umask of 002 would leave them group-writable)
+        if not knobs.cache.shared:  # (a umask of 002 would leave them group-writable)
             os.chmod(f, stat.S_IMODE(os.stat(f).st_mode) & ~0o022)
         _fsync_path(f)
     _fsync_path(tmp)

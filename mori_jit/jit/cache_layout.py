@@ -90,7 +90,7 @@ def check_stat(path: Path, st: os.stat_result) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise CacheUnsafeError(f"cache path {path} is not a directory (mode {stat.filemode(st.st_mode)}). "
                                f"Fix: move it away, or point MORI_JIT_CACHE_DIR elsewhere")
-    if knobs.shared_cache():
+    if knobs.cache.shared:
         return
     foreign = not _trusted_owner(st.st_uid)
     writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
@@ -121,12 +121,12 @@ def check_dir(path: Path, *, follow: bool = False) -> None:
 def dir_mode() -> int:
     """Mode for a new cache directory: private 0755 (others may read, so a colleague can use it as
     a shared cache), shared 0777 (the umask decides, as a team's directory needs)."""
-    return 0o777 if knobs.shared_cache() else 0o755
+    return 0o777 if knobs.cache.shared else 0o755
 
 
 def file_mode() -> int:
     """Mode for a file the cache writes: private 0644, shared 0666 (the umask decides)."""
-    return 0o666 if knobs.shared_cache() else 0o644
+    return 0o666 if knobs.cache.shared else 0o644
 
 
 def make_dir(path: Path, *, follow: bool = False) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import filelock
 
 from . import cache, cache_builds, knobs
 from .key import cache_key, include_hash
+from .log import apply_verbosity
 from .paths import kernels_dir, source_root
 from .spec import Spec
 from .toolchain import Toolchain
@@ -70,9 +72,13 @@ def resolve(spec: Spec, cfg: Any, toolchain: Toolchain, *, fresh_include_hash: b
     return Resolved(spec.name, name, src, key, cache.entry_dir(toolchain.arch, toolchain.nic, name, key))
 
 
+_logger = logging.getLogger(__name__)
+#: MORI_JIT_VERBOSE level a message needs → its logging level (0: always shown, as a warning)
+_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
+
+
 def _log(msg: str, level: int = 1) -> None:
-    if knobs.verbose() >= level:
-        print(f"[mori-jit] {msg}", file=sys.stderr, flush=True)
+    _logger.log(_LEVELS[level], msg)
 
 
 def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
@@ -88,7 +94,7 @@ def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
     except OSError as e:
         rc, err = -1, str(e)
     if rc != 0 or not binary.is_file() or binary.stat().st_size == 0:
-        kept = cache.keep_failed_source(res.entry_name, res.key, src) if knobs.keep_failed() else None
+        kept = cache.keep_failed_source(res.entry_name, res.key, src) if knobs.cache.keep_failed else None
         raise CompileError(res.spec, cmd, rc, err or "(no output; empty binary)", kept)
     meta = {"spec": res.spec, "entry": res.entry_name, "key": res.key, "arch": toolchain.arch,
             "nic": toolchain.nic, "binary": binary.name, "binary_sha256": cache.sha256_file(binary),
@@ -109,11 +115,11 @@ def _lookup(path: Path) -> cache.Entry | None:
 def _acquire(lock_path: Path) -> filelock.FileLock | None:
     """The per-key lock, or None when it cannot be had in time (or at all, as in a cache another
     user's lock files fill): it only saves duplicate compiles, the atomic publish keeps the cache right."""
-    lock = filelock.FileLock(str(lock_path), timeout=knobs.lock_timeout_s())
+    lock = filelock.FileLock(str(lock_path), timeout=knobs.cache.lock_timeout_s)
     try:
         lock.acquire()
     except filelock.Timeout:
-        _log(f"lock {lock_path} still held after {knobs.lock_timeout_s()}s; compiling anyway")
+        _log(f"lock {lock_path} still held after {knobs.cache.lock_timeout_s}s; compiling anyway")
         return None
     except OSError as e:
         _log(f"lock {lock_path} unusable ({e.strerror or e}); compiling without it")
@@ -127,6 +133,7 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
     A hit only reads the cache. A corrupt entry is reported on stderr and rebuilt. Raises
     :class:`~mori_jit.jit.cache.CacheUnsafeError` for a cache directory others could write.
     """
+    apply_verbosity()
     res = resolved or resolve(spec, cfg, toolchain)
     try:
         entry = cache.read_entry(res.path)

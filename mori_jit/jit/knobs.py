@@ -1,142 +1,283 @@
-"""Every environment variable mori-jit reads, each read in exactly one function here.
+"""Settings read from the environment: each variable declared once, with its type, default and doc.
 
-Values are read at call time (not import time) so a test or a launcher can set them late. Nothing
-in the compile step reads the environment except through the toolchain, whose resolved values all
-enter the cache key (arch, compiler signature, flags, NIC).
+Settings live in groups (:class:`Group` subclasses, one instance each); a group's settings are
+class attributes, read through the instance at access time, never at import time, so a test or a
+launcher can set them late::
+
+    from mori_jit.jit import knobs
+    knobs.compiler.arch        # MORI_JIT_ARCH, or None
+    knobs.cache.dir            # MORI_JIT_CACHE_DIR, or ~/.mori/jit
+
+This module declares the framework's groups; an op declares its own in a ``knobs.py`` of its
+package (the EP op: :mod:`mori_jit.ops.ep.knobs`). :func:`all_groups` finds every one of them, and
+``mori-jit info`` lists each setting from its declaration. Nothing in the compile step reads the
+environment except through the toolchain, whose resolved values all enter the cache key (arch,
+compiler signature, flags, NIC).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shlex
 from pathlib import Path
+from typing import Any, Generic, Optional, TypeVar
 
-__all__ = [
-    "jit_arch", "hipcc_path", "nvcc_path", "rocm_path", "cuda_home", "source_root", "cache_dir",
-    "shared_cache", "extra_flags", "device_nic", "verbose", "keep_failed", "lock_timeout_s", "kernel_backend",
-    "ep_timeout_s", "ep_geometry_overrides",
-]
+__all__ = ["Setting", "StrSetting", "BoolSetting", "LevelSetting", "PositiveFloatSetting", "IntListSetting",
+           "PathSetting", "FlagsSetting", "NameSetting", "PrefixSetting", "Group", "all_groups", "all_settings",
+           "CompilerKnobs", "SourceKnobs", "CacheKnobs", "LogKnobs", "compiler", "source", "cache", "log"]
 
-
-def _get(name: str) -> str | None:
-    v = os.environ.get(name)
-    return v if v not in (None, "") else None
+T = TypeVar("T")
 
 
-def _bool(name: str) -> bool:
-    v = _get(name)
-    return v is not None and v.lower() not in ("0", "false", "no", "off")
+class Setting(Generic[T]):
+    """One environment variable: its name, type, default and doc. Read at each access through a group.
+
+    An unset or empty variable gives the default (a callable default is called then); a value that
+    does not parse is a ``ValueError`` naming the variable, the value and what is allowed.
+    """
+
+    #: the type's name in ``mori-jit info``
+    type_name = "str"
+
+    def __init__(self, var: str, default: Any, doc: str, *, default_doc: Optional[str] = None):
+        self.var, self.default, self.doc = var, default, doc
+        self._default_doc = default_doc
+        self.attr = ""
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        self.attr = attr
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else self.read()
+
+    def raw(self) -> Optional[str]:
+        """The variable's text, or None when it is unset or empty."""
+        v = os.environ.get(self.var)
+        return v if v not in (None, "") else None
+
+    def read(self) -> T:
+        """The current value: the parsed variable, or the default."""
+        v = self.raw()
+        if v is not None:
+            return self.parse(v)
+        return self.default() if callable(self.default) else self.default
+
+    def parse(self, text: str) -> T:
+        """The value of a set variable (subclasses convert and check)."""
+        return text  # type: ignore[return-value]
+
+    @property
+    def label(self) -> str:
+        """The variable as ``mori-jit info`` names it."""
+        return self.var
+
+    def default_text(self) -> str:
+        """The default as ``mori-jit info`` shows it."""
+        if self._default_doc is not None:
+            return self._default_doc
+        return "(none)" if self.default is None else str(self.default)
+
+    def matches(self, name: str) -> bool:
+        """Whether the environment variable ``name`` is this setting's."""
+        return name == self.var
+
+    def is_set(self) -> bool:
+        """Whether the environment sets this variable (non-empty)."""
+        return self.raw() is not None
 
 
-def _float(name: str, default: float) -> float:
-    v = _get(name)
-    if v is None:
-        return default
-    try:
-        out = float(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not a number") from None
-    if out <= 0:
-        raise ValueError(f"{name}={v!r} must be > 0")
+class StrSetting(Setting[Optional[str]]):
+    """A string."""
+
+
+class BoolSetting(Setting[bool]):
+    """A flag: set and not ``0``/``false``/``no``/``off`` (any case) means on."""
+
+    type_name = "bool"
+
+    def parse(self, text: str) -> bool:
+        return text.lower() not in ("0", "false", "no", "off")
+
+
+class LevelSetting(Setting[int]):
+    """A level: an integer, or a flag word (``yes`` is 1, ``off`` is 0)."""
+
+    type_name = "int"
+
+    def parse(self, text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            return int(BoolSetting.parse(self, text))  # type: ignore[arg-type]
+
+
+class PositiveFloatSetting(Setting[float]):
+    """A number > 0."""
+
+    type_name = "float"
+
+    def parse(self, text: str) -> float:
+        try:
+            out = float(text)
+        except ValueError:
+            raise ValueError(f"{self.var}={text!r} is not a number") from None
+        if out <= 0:
+            raise ValueError(f"{self.var}={text!r} must be > 0")
+        return out
+
+
+class IntListSetting(Setting[tuple]):
+    """Comma-separated integers >= 1 (``1,2,4,8``)."""
+
+    type_name = "ints"
+
+    def parse(self, text: str) -> tuple[int, ...]:
+        try:
+            out = tuple(int(w) for w in text.split(",") if w.strip())
+        except ValueError:
+            raise ValueError(f"{self.var}={text!r}: expected comma-separated integers (e.g. 1,2,4,8)") from None
+        if not out or min(out) < 1:
+            raise ValueError(f"{self.var}={text!r}: expected at least one integer, each >= 1")
+        return out
+
+    def default_text(self) -> str:
+        return ",".join(map(str, self.default))
+
+
+class PathSetting(Setting[Optional[Path]]):
+    """A path (``~`` expanded)."""
+
+    type_name = "path"
+
+    def parse(self, text: str) -> Path:
+        return Path(text).expanduser()
+
+
+class FlagsSetting(Setting[tuple]):
+    """Command-line flags, split as a shell would."""
+
+    type_name = "flags"
+
+    def __init__(self, var: str, doc: str):
+        super().__init__(var, (), doc, default_doc="(none)")
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return tuple(shlex.split(text))
+
+
+class NameSetting(Setting[str]):
+    """A name made of letters, digits, ``-``, ``_`` and ``.`` (it becomes part of a directory name)."""
+
+    type_name = "name"
+
+    def parse(self, text: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", text):
+            raise ValueError(f"{self.var}={text!r}: only letters, digits, '-', '_' and '.' are allowed")
+        return text
+
+
+class PrefixSetting(Setting[dict]):
+    """A family of variables ``<prefix><NAME>``, read as ``{NAME: text}`` (empty values skipped)."""
+
+    type_name = "family"
+
+    def __init__(self, prefix: str, doc: str):
+        super().__init__(prefix, {}, doc, default_doc="(none)")
+
+    @property
+    def label(self) -> str:
+        return self.var + "*"
+
+    def read(self) -> dict[str, str]:
+        return {k[len(self.var):]: v for k, v in os.environ.items() if self.matches(k) and v != ""}
+
+    def matches(self, name: str) -> bool:
+        return name.startswith(self.var) and len(name) > len(self.var)
+
+    def is_set(self) -> bool:
+        return bool(self.read())
+
+
+class Group:
+    """A named group of settings: subclass with :class:`Setting` class attributes, create one instance."""
+
+    #: the group's name in ``mori-jit info``
+    name = ""
+
+    def settings(self) -> list[Setting]:
+        """The group's settings, in declaration order."""
+        return [v for k, v in vars(type(self)).items() if isinstance(v, Setting)]
+
+
+class CompilerKnobs(Group):
+    """Which compiler builds for which arch, and what enters its command line."""
+
+    name = "compiler"
+    arch = StrSetting("MORI_JIT_ARCH", None, "target arch (gfx90a, sm_90a, ...)", default_doc="the current device's")
+    hipcc = StrSetting("MORI_JIT_HIPCC", None, "the hipcc to use (a path, or a name on PATH)")
+    nvcc = StrSetting("MORI_JIT_NVCC", None, "the nvcc to use (a path, or a name on PATH)")
+    rocm_path = StrSetting("ROCM_PATH", "/opt/rocm", "the ROCm install whose bin/hipcc is tried")
+    cuda_home = StrSetting("CUDA_HOME", None, "the CUDA install whose bin/nvcc is tried")
+    cuda_path = StrSetting("CUDA_PATH", None, "the CUDA install whose bin/nvcc is tried when CUDA_HOME is unset")
+    extra_flags = FlagsSetting("MORI_JIT_EXTRA_FLAGS", "extra compiler flags (shell-split); they enter the key")
+    device_nic = NameSetting("MORI_DEVICE_NIC", "none", "the NIC the kernels are built for; enters the key and "
+                                                        "the cache directory name")
+
+
+class SourceKnobs(Group):
+    """Where the device sources come from."""
+
+    name = "source"
+    root = PathSetting("MORI_SOURCE_ROOT", None, "a directory holding kernels/ and templates/",
+                       default_doc="the checkout, else the packaged copy")
+
+
+class CacheKnobs(Group):
+    """The kernel cache and the compiles that fill it."""
+
+    name = "cache"
+    dir = PathSetting("MORI_JIT_CACHE_DIR", lambda: Path.home() / ".mori" / "jit", "the kernel cache",
+                      default_doc="~/.mori/jit")
+    lock_timeout_s = PositiveFloatSetting("MORI_JIT_LOCK_TIMEOUT_S", 600.0,
+                                          "how long to wait for another process's compile of the same key")
+    keep_failed = BoolSetting("MORI_JIT_KEEP_FAILED", False,
+                              "keep the source of a failed compile (its path is in the error)")
+    shared = BoolSetting("MORI_JIT_SHARED_CACHE", False,
+                         "use a cache directory other users own or may write (a team's cache); without it such a "
+                         "directory is refused, as a file planted there would be loaded as a kernel. Its files are "
+                         "then only read as data (names, sizes and sha256 checked), and it may be read-only")
+
+
+class LogKnobs(Group):
+    """What mori-jit reports while it works."""
+
+    name = "log"
+    verbose = LevelSetting("MORI_JIT_VERBOSE", 0, "the mori_jit logger's level: 1 INFO (compiles), 2 DEBUG (also "
+                                                  "compile commands, cache hits, and the CLI's tracebacks)")
+
+
+compiler = CompilerKnobs()
+source = SourceKnobs()
+cache = CacheKnobs()
+log = LogKnobs()
+
+
+def all_groups() -> list[Group]:
+    """Every settings group of the package: this module's first, then those of each other ``knobs``
+    module in it (found by file name, like the spec registry finds spec modules)."""
+    import mori_jit
+    root = Path(mori_jit.__file__).resolve().parent
+    mods = [__name__] + sorted(
+        "mori_jit." + ".".join(p.relative_to(root).with_suffix("").parts)
+        for p in root.rglob("knobs.py") if p.resolve() != Path(__file__).resolve())
+    out: list[Group] = []
+    for name in mods:
+        mod = importlib.import_module(name)
+        out += [v for v in vars(mod).values() if isinstance(v, Group) and v not in out]
     return out
 
 
-def jit_arch() -> str | None:
-    """``MORI_JIT_ARCH``: target arch (``gfx90a``, ``sm_90a``, ...); else the current device's."""
-    return _get("MORI_JIT_ARCH")
-
-
-def hipcc_path() -> str | None:
-    """``MORI_JIT_HIPCC``: the hipcc to use."""
-    return _get("MORI_JIT_HIPCC")
-
-
-def nvcc_path() -> str | None:
-    """``MORI_JIT_NVCC``: the nvcc to use."""
-    return _get("MORI_JIT_NVCC")
-
-
-def rocm_path() -> str:
-    """``ROCM_PATH`` (default ``/opt/rocm``)."""
-    return _get("ROCM_PATH") or "/opt/rocm"
-
-
-def cuda_home() -> str | None:
-    """``CUDA_HOME`` or ``CUDA_PATH``."""
-    return _get("CUDA_HOME") or _get("CUDA_PATH")
-
-
-def source_root() -> Path | None:
-    """``MORI_SOURCE_ROOT``: a directory holding ``kernels/`` and ``templates/``."""
-    v = _get("MORI_SOURCE_ROOT")
-    return Path(v) if v else None
-
-
-def cache_dir() -> Path:
-    """``MORI_JIT_CACHE_DIR`` (default ``~/.mori/jit``)."""
-    v = _get("MORI_JIT_CACHE_DIR")
-    return Path(v).expanduser() if v else Path.home() / ".mori" / "jit"
-
-
-def shared_cache() -> bool:
-    """``MORI_JIT_SHARED_CACHE`` (default off): use a cache directory that other users own or may
-    write (a team's cache). Without it such a directory is refused: a file planted there would be
-    loaded as a kernel. With it the cache is read as data only (names, sizes and sha256 are still
-    checked; nothing in it is executed or unpickled on the host), and it may be read-only."""
-    return _bool("MORI_JIT_SHARED_CACHE")
-
-
-def extra_flags() -> tuple[str, ...]:
-    """``MORI_JIT_EXTRA_FLAGS``: extra compiler flags (shell-split); they enter the key."""
-    v = _get("MORI_JIT_EXTRA_FLAGS")
-    return tuple(shlex.split(v)) if v else ()
-
-
-def device_nic() -> str:
-    """``MORI_DEVICE_NIC`` (default ``none``); enters the key and the cache directory name."""
-    v = _get("MORI_DEVICE_NIC") or "none"
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", v):
-        raise ValueError(f"MORI_DEVICE_NIC={v!r}: only letters, digits, '-', '_' and '.' are allowed")
-    return v
-
-
-def verbose() -> int:
-    """``MORI_JIT_VERBOSE``: 0 silent, 1 compiles and hits, 2 also commands."""
-    v = _get("MORI_JIT_VERBOSE")
-    if v is None:
-        return 0
-    try:
-        return int(v)
-    except ValueError:
-        return 1 if _bool("MORI_JIT_VERBOSE") else 0
-
-
-def keep_failed() -> bool:
-    """``MORI_JIT_KEEP_FAILED``: keep the source of a failed compile (its path is in the error)."""
-    return _bool("MORI_JIT_KEEP_FAILED")
-
-
-def lock_timeout_s() -> float:
-    """``MORI_JIT_LOCK_TIMEOUT_S`` (default 600): how long to wait for another process's compile."""
-    return _float("MORI_JIT_LOCK_TIMEOUT_S", 600.0)
-
-
-def kernel_backend() -> str | None:
-    """``MORI_V2_KERNEL_BACKEND``: the EP backend when the config names none."""
-    return _get("MORI_V2_KERNEL_BACKEND")
-
-
-def ep_timeout_s() -> float:
-    """``MORI_EP_TIMEOUT_S`` (default 30): how long an EP kernel spin-waits before giving up."""
-    return _float("MORI_EP_TIMEOUT_S", 30.0)
-
-
-_EP_PREFIX = "MORI_V2_EP_"
-
-
-def ep_geometry_overrides() -> dict[str, str]:
-    """``MORI_V2_EP_<FIELD>`` variables, as ``{FIELD: value}`` (e.g. ``{"BLOCKNUM": "32"}``).
-
-    Only :func:`mori_jit.ops.ep.cfg.make_ep_cfg` calls this; it maps names onto EpCfg fields.
-    """
-    return {k[len(_EP_PREFIX):]: v for k, v in os.environ.items() if k.startswith(_EP_PREFIX) and v != ""}
+def all_settings() -> list[Setting]:
+    """Every setting of every group (:func:`all_groups`), in order."""
+    return [s for g in all_groups() for s in g.settings()]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import knobs
 
-__all__ = ["source_root", "kernels_dir", "templates_dir", "SourceRootError"]
+__all__ = ["source_root", "source_root_origin", "kernels_dir", "templates_dir", "SourceRootError"]
 
 _PKG = Path(__file__).resolve().parent.parent  # .../mori_jit
 
@@ -26,12 +26,20 @@ def _is_root(p: Path) -> bool:
 
 def source_root() -> Path:
     """The resolved source root (re-read each call: ``MORI_SOURCE_ROOT`` may change in tests)."""
-    env = knobs.source_root()
+    env = knobs.source.root
     if env is not None:
         if not _is_root(env):
             raise SourceRootError(f"MORI_SOURCE_ROOT={env} does not hold kernels/ and templates/")
         return env.resolve()
     return _default_root()
+
+
+def source_root_origin(root: Path) -> str:
+    """Where ``root`` (a :func:`source_root` answer) comes from: ``MORI_SOURCE_ROOT``, ``packaged copy`` or ``checkout``."""
+    if knobs.source.root is not None:
+        return "MORI_SOURCE_ROOT"
+    packaged = _PKG / "_sources"
+    return "packaged copy" if root in (packaged, packaged.resolve()) else "checkout"
 
 
 @functools.lru_cache(maxsize=1)

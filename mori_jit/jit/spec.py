@@ -69,6 +69,10 @@ class Spec(abc.ABC):
         """The config used when a request sets nothing (arch-dependent defaults go here)."""
         return self.cfg_type()
 
+    def precompile_cfgs(self, toolchain: Toolchain) -> list[Any]:
+        """The configs ``mori-jit precompile`` builds for this spec on ``toolchain`` (default: the default config)."""
+        return [self.default_cfg(toolchain)]
+
     def make_cfg(self, toolchain: Toolchain, request: Mapping[str, Any] | None = None) -> Any:
         """Default config for ``toolchain`` with ``request`` (field name → value) applied."""
         return apply_request(self.default_cfg(toolchain), request or {})

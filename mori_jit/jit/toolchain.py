@@ -123,7 +123,7 @@ DEFAULT_ARCH = {"nvidia": "sm_90a", "amd": "gfx90a"}
 
 def _explicit_compiler(vendor: str) -> str | None:
     """``MORI_JIT_HIPCC`` / ``MORI_JIT_NVCC`` (a bare name looked up on PATH), or None."""
-    explicit = knobs.hipcc_path() if vendor == "amd" else knobs.nvcc_path()
+    explicit = knobs.compiler.hipcc if vendor == "amd" else knobs.compiler.nvcc
     if explicit and os.sep not in explicit:
         return shutil.which(explicit) or explicit
     return explicit
@@ -132,9 +132,9 @@ def _explicit_compiler(vendor: str) -> str | None:
 def _candidates(vendor: str) -> list[str]:
     """The places searched after the explicit variable, in order and without repeats."""
     if vendor == "amd":
-        root = os.path.join(knobs.rocm_path(), "bin", "hipcc")
+        root = os.path.join(knobs.compiler.rocm_path, "bin", "hipcc")
     else:
-        home = knobs.cuda_home()
+        home = (knobs.compiler.cuda_home or knobs.compiler.cuda_path)
         root = os.path.join(home, "bin", "nvcc") if home else None
     tried = [root, STANDARD_PLACE[vendor], shutil.which(COMPILER_NAME[vendor])]
     return list(dict.fromkeys(t for t in tried if t))
@@ -195,13 +195,23 @@ def _signature(compiler: str, mtime_ns: int, vendor: str) -> str:
     return p.stdout if p.stdout.strip() else p.stderr
 
 
-def make_toolchain(arch: str) -> Toolchain:
-    """Resolve the compiler, its signature, flags and NIC for ``arch`` (no process-wide state)."""
+def make_toolchain(arch: str, need_compiler: bool = True) -> Toolchain:
+    """Resolve the compiler, its signature, flags and NIC for ``arch`` (no process-wide state).
+
+    Without ``need_compiler`` a missing compiler gives a toolchain with an empty compiler path
+    and signature (enough to render a source, never to key or build one); a bad arch still raises.
+    """
     vendor = vendor_of(arch)
-    compiler = find_compiler(vendor)
+    try:
+        compiler = find_compiler(vendor)
+    except ToolchainError:
+        if need_compiler:
+            raise
+        return Toolchain(arch, vendor, "", "", _DEFAULT_FLAGS[vendor] + knobs.compiler.extra_flags,
+                         knobs.compiler.device_nic)
     sig = _signature(compiler, os.stat(compiler).st_mtime_ns, vendor)
-    return Toolchain(arch, vendor, compiler, sig, _DEFAULT_FLAGS[vendor] + knobs.extra_flags(),
-                     knobs.device_nic())
+    return Toolchain(arch, vendor, compiler, sig, _DEFAULT_FLAGS[vendor] + knobs.compiler.extra_flags,
+                     knobs.compiler.device_nic)
 
 
 def detect_arch() -> str:
@@ -247,7 +257,7 @@ def get_toolchain() -> Toolchain:
         return _resolved
     with _lock:
         if _resolved is None:
-            env_arch = knobs.jit_arch()
+            env_arch = knobs.compiler.arch
             if env_arch and _override and env_arch != _override:
                 raise ToolchainError(f"MORI_JIT_ARCH={env_arch!r} conflicts with the arch override {_override!r}")
             _resolved = make_toolchain(env_arch or _override or detect_arch())

@@ -13,13 +13,13 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from mori_jit.jit import knobs
+from . import knobs
 from mori_jit.jit.compile import build_many
 from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
-from .cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, CombWord, EpMaxRecv, ErrCode, FlagUnit,
+from .kernel_cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, CombWord, EpMaxRecv, ErrCode, FlagUnit,
                   WaitId, region_bytes)
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
@@ -160,7 +160,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         err_words = (ctypes.c_uint64 * 4).from_address(err.data_ptr())
         base = EP_ARGS.ctype()
         base.rank = cfg.rank
-        base.timeoutNs = int(knobs.ep_timeout_s() * 1e9)
+        base.timeoutNs = int(knobs.ep.timeout_s * 1e9)
         base.errWord = err.data_ptr()
         for pe, ptr in enumerate(arena.peer_bases):
             base.peerBase[pe] = ptr
@@ -177,7 +177,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         out_idx = arena.view("out_idx", torch.int32, (cap, k))
         recv_src = arena.view("recv_to_src", torch.int32, (cap,))
         total_recv = arena.view("total_recv", torch.int32, (1,))
-        stage = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
+        inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
         op_id = id(self)
 
         given = arena.tensor.data_ptr()  # (see _weights_ptr)
@@ -209,13 +209,13 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             comb_launch[v]()
             return y, y_w
 
-        def staging_view():
+        def combine_input_buffer():
             # A plain allocation, not arena: the push combine reads its input only locally, so this
             # costs no symmetric memory (world_size * M rows), and nothing unless it is asked for.
-            nonlocal stage
-            if stage is None:
-                stage = torch.empty((cap, hidden), dtype=cfg.combine_dtype, device=dev)
-            return stage
+            nonlocal inp_buffer
+            if inp_buffer is None:
+                inp_buffer = torch.empty((cap, hidden), dtype=cfg.combine_dtype, device=dev)
+            return inp_buffer
 
         def check():
             if err_words[0]:
@@ -232,11 +232,11 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             dist.barrier(group=self.group)
 
         def close():
-            nonlocal err, stage
+            nonlocal err, inp_buffer
             torch.cuda.synchronize(dev)  # no kernel may still write the error words or the arena
-            err, stage = torch.empty(0), None
+            err, inp_buffer = torch.empty(0), None
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
                          capabilities=frozenset({"graph", "zero_copy_combine"}),
-                         check=check, reset=reset, staging_view=staging_view, close=close,
+                         check=check, reset=reset, combine_input_buffer=combine_input_buffer, close=close,
                          bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)})

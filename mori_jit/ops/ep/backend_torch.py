@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .config import EpDispatchCombineConfig
-from .hip_tuning import Schedule
+from .schedule import Schedule
 from .op import EpDispatchCombineOp, KernelSet, gather_unquantized_gaps
 from .reference import reference_combine, reference_dispatch
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mori_jit.jit import knobs
+from . import knobs
 
 from .peers import SYMM_MEMORY_KINDS
 
@@ -155,7 +155,7 @@ class EpDispatchCombineConfig:
 
     def backend(self) -> str:
         """``kernel_backend`` → ``MORI_V2_KERNEL_BACKEND`` → ``hip``."""
-        name = self.kernel_backend or knobs.kernel_backend() or DEFAULT_BACKEND
+        name = self.kernel_backend or knobs.ep.kernel_backend or DEFAULT_BACKEND
         if name not in BACKENDS:
             raise ValueError(f"MORI_V2_KERNEL_BACKEND={name!r}: allowed {BACKENDS}")
         return name
@@ -169,7 +169,7 @@ def _check_kernel_rules(cfg: EpDispatchCombineConfig) -> None:
 
     from mori_jit.jit.fields import CPP_INT_RANGE
 
-    from .cfg import EP_ROW_ALIGN, EpDType, EpTokenBytes
+    from .kernel_cfg import EP_ROW_ALIGN, EpDType, EpTokenBytes
     hi = CPP_INT_RANGE[1]
     for f in ("world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
               "num_experts_per_token", "max_total_recv_tokens", "scale_dim", "scale_type_size"):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .arena import SymmArena
 from .config import EpDispatchCombineConfig
 from .peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
-from .hip_tuning import Schedule
+from .schedule import Schedule
 
 __all__ = ["EpDispatchCombineOp", "KernelSet", "EpUnsupportedError", "EpDeviceError"]
 
@@ -44,7 +44,7 @@ class KernelSet:
 
     ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``;
     ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
-    output tensors or None). ``bound_launches``, for diagnostics (``scripts/profile_ep_host.py``):
+    output tensors or None). ``bound_launches``, for diagnostics (``tools/profile_ep_host.py``):
     per leg (``"dispatch"``, ``"combine"``), each bucket's zero-argument launch
     (:meth:`mori_jit.jit.plan.Plan.bind_struct`) of the args struct the leg's last call filled.
     """
@@ -55,7 +55,7 @@ class KernelSet:
     capabilities: frozenset[str]  # e.g. "graph": no host work between rounds, so a step can be captured
     check: Callable[[], None] = lambda: None
     reset: Callable[[], None] = lambda: None
-    staging_view: Optional[Callable[[], torch.Tensor]] = None
+    combine_input_buffer: Optional[Callable[[], torch.Tensor]] = None
     close: Callable[[], None] = lambda: None
     bound_launches: dict[str, tuple[Callable[[], None], ...]] = dataclasses.field(default_factory=dict)
 
@@ -192,6 +192,7 @@ class EpDispatchCombineOp(abc.ABC):
         # _pick(num_tokens): the bucket index, a lookup among already-compiled variants, never a compile
         self._pick = self._kernels.schedule.index
         self._disp_dtype, self._comb_dtype, self._cap = cfg.dispatch_dtype, cfg.combine_dtype, cfg.recv_capacity
+        self._routing = None  # the latest dispatch's routing
         self._closed = False
 
     def close(self) -> None:
@@ -223,7 +224,16 @@ class EpDispatchCombineOp(abc.ABC):
         return self._kernels
 
     def check(self) -> None:
-        """Raise :class:`EpDeviceError` if a kernel recorded an error (no host sync)."""
+        """Raise :class:`EpDeviceError` if a kernel recorded an error (no host sync).
+
+        A kernel that gives up (a peer did not arrive within ``MORI_EP_TIMEOUT_S``, a short combine
+        input) still returns: its call's outputs are garbage, and nothing says so until the error
+        words are read, which every ``dispatch``/``combine`` does at its start (so the *next* call
+        raises). To know about a step's own outputs, call ``check()`` after the step's work has
+        completed on the device (e.g. after the synchronize that reads a result): it reads a
+        host-mapped word, no sync and no launch (0.2-0.4 µs per call on an H200 host), cheap
+        enough for every step. Recover with :meth:`reset` (collective).
+        """
         self._live()
 
     def reset(self) -> None:
@@ -243,9 +253,9 @@ class EpDispatchCombineOp(abc.ABC):
         are ignored.
         """
         k = self._live()
-        if k.staging_view is None:
+        if k.combine_input_buffer is None:
             raise EpUnsupportedError(f"{type(self).__name__} has no combine input buffer")
-        return k.staging_view()
+        return k.combine_input_buffer()
 
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
@@ -255,6 +265,8 @@ class EpDispatchCombineOp(abc.ABC):
         Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
         ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
         valid, in arrival order; ``total_recv`` is a 1-element int32 device tensor (no host sync).
+        Raises :class:`EpDeviceError` if an earlier call's kernel gave up; this call's own failure
+        shows only in a later call or :meth:`check` (its outputs are then garbage).
         """
         k = self._live()
         cfg, dev = self.cfg, self.device
@@ -274,6 +286,7 @@ class EpDispatchCombineOp(abc.ABC):
             _expect("scales", scales, scales.dtype, (n, cfg.scale_dim), dev)
         _expect("indices", indices, torch.int32, (n, cfg.num_experts_per_token), dev)
         res = k.dispatch(self._pick(n), input, weights, scales, indices)
+        self._routing = res[5]  # the only routing combine accepts until the next dispatch
         return res if return_routing else res[:5]
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
@@ -288,12 +301,18 @@ class EpDispatchCombineOp(abc.ABC):
         and gives graph captures static outputs. Collective: every rank calls it, and either every
         rank passes ``weights`` or none does (a rank sends its rows' weights to their home ranks
         even when it has no tokens of its own). Repeating a combine for the same dispatch is safe.
+        Like :meth:`dispatch`, a combine whose kernel gave up returns garbage, reported by the next
+        call or by :meth:`check` once the device has run it.
         """
         k = self._live()
         cfg, dev, dtype = self.cfg, self.device, self._comb_dtype
-        if (routing is None or getattr(routing, "op_id", None) not in (None, self._id)
-                or not hasattr(routing, "num_tokens")):
-            raise ValueError("routing: expected the routing returned by this op's dispatch(return_routing=True)")
+        if routing is not self._routing:
+            # (an identity test: it runs on every call) Another op's routing, or an older dispatch's,
+            # describes rows the arena no longer holds: combining along it gives a wrong answer.
+            older = routing is not None and getattr(routing, "op_id", None) == self._id
+            raise ValueError("routing: expected the routing returned by this op's latest dispatch(return_routing=True)"
+                             + ("; this one belongs to an earlier dispatch, whose rows the latest one replaced"
+                                if older else ""))
         if not isinstance(input, torch.Tensor) or input.dim() != 2:
             raise ValueError(f"input: expected a 2-D tensor [rows, {cfg.hidden_dim}]")
         rows = input.shape[0]

@@ -5,7 +5,7 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain
 
-from .cfg import COMBINE, DISPATCH, EP_ARGS, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, make_ep_cfg
+from .kernel_cfg import COMBINE, DISPATCH, EP_ARGS, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, make_ep_cfg
 
 __all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "ELEM_TYPES"]
 

@@ -1,6 +1,6 @@
 """The EP kernel variants a live ``hip`` op builds — shared by the op and by ``mori-jit precompile``.
 
-Walking the same schedule and the same :func:`~mori_jit.ops.ep.cfg.make_ep_cfg` as the live op is
+Walking the same schedule and the same :func:`~mori_jit.ops.ep.kernel_cfg.make_ep_cfg` as the live op is
 what makes precompile produce exactly the binaries the op will ask for.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ import types
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from .cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
+from .kernel_cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
 from .config import EpDispatchCombineConfig
 from .op import gather_unquantized_gaps
-from .hip_tuning import (BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, Schedule, lookup,
-                         schedule_from_buckets)
+from .schedule import Schedule
+from .tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
            "config_from_strings", "precompile_targets", "hip_gaps"]
@@ -66,7 +66,7 @@ def _one_token_ranges(cfg: EpDispatchCombineConfig, blocks: int, arch: str) -> b
     """Whether a low-latency combine of ``cfg`` on ``blocks`` blocks holds each peer-token task in
     its grid, so that the kernel takes one-token ranges (``EpRangeTok``): each block pushes at most
     one row per peer and sums at most one token. An op that can have them gets every SM in each
-    combine bucket (tuning: ``hip_tuning.ONE_TOKEN_COMBINE``), and its blocks then load fewer
+    combine bucket (tuning: ``tuning.ONE_TOKEN_COMBINE``), and its blocks then load fewer
     vectors per lane."""
     probe = EpCfg(worldSize=cfg.world_size, maxTokPerRank=cfg.max_num_inp_token_per_rank, blockNum=blocks,
                   waveSize=wave_size_for_arch(arch), lowLatency=True)
@@ -75,7 +75,7 @@ def _one_token_ranges(cfg: EpDispatchCombineConfig, blocks: int, arch: str) -> b
 
 def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
     """Whether dispatch ``c`` (a bucket of at most ``max_tokens`` tokens) asks for the bulk-copy
-    path (tuning: ``hip_tuning.BULK_DISPATCH_MIN_TOKENS``): rows go to peers (one rank copies only
+    path (tuning: ``tuning.BULK_DISPATCH_MIN_TOKENS``): rows go to peers (one rank copies only
     into its own memory, where the path measured slower), the arch has the unit, a block can own
     that many tokens, and ``c`` stays valid with it (its stages fit in shared memory). A request: a
     ``MORI_V2_EP_*`` override wins."""

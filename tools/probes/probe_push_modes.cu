@@ -15,7 +15,7 @@
 // poisoned before each mode and checked against the source after it (every byte, random data).
 // Results: docs/performance.md ("Bulk-copy (TMA) senders", "Store cache operators").
 //
-//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/probe_push scripts/probe_push_modes.cu && /tmp/probe_push [MB]
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/probe_push tools/probes/probe_push_modes.cu && /tmp/probe_push [MB]
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -1,8 +1,8 @@
 """EP dispatch/combine benchmark: the ``hip`` backend (eager and graph) beside the ``torch`` backend
 (NCCL) and the measured link ceiling, in one run. One process per GPU (spawned here; NCCL).
 
-    PYTHONPATH=. python3 scripts/bench_ep.py --out results/   # JSON + Markdown + PNG
-    PYTHONPATH=. python3 scripts/bench_ep.py --sweep --tokens 128 4096   # blocks x warps sweep
+    PYTHONPATH=. python3 tools/bench_ep.py --out results/   # JSON + Markdown + PNG
+    PYTHONPATH=. python3 tools/bench_ep.py --sweep --tokens 128 4096   # blocks x warps sweep
 
 Workload (defaults): hidden 7168, topk 8, 256 experts in total, tokens per rank 128/512/1024/4096,
 routing = a random permutation of experts per token, first k; bf16/bf16 and fp8/bf16 legs.
@@ -25,10 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ep_dist import run_distributed  # noqa: E402
-from mori_jit.ops.ep.cfg import EP_STAMP_WORDS, Stamp  # noqa: E402
+from mori_jit.ops.ep.kernel_cfg import EP_STAMP_WORDS, Stamp
+from mori_jit.testing.distributed import run_distributed
 
 FP8 = torch.float8_e4m3fn
 #: GPU cycles (~2 GHz) slept before each timed loop: longer than the host needs to queue the loop.
@@ -181,7 +179,7 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     return _timed(*_time_pairs(fwd, back, iters, lambda i: None))
 
 
-#: Phase stamps written by the kernels (``Stamp``, declared in mori_jit/ops/ep/cfg.py), as µs
+#: Phase stamps written by the kernels (``Stamp``, declared in mori_jit/ops/ep/kernel_cfg.py), as µs
 #: since the kernel's start: (label, stamp, start stamp).
 PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDispStart),
           ("disp: block 0 copies done", Stamp.kStDispLoopDone, Stamp.kStDispStart),

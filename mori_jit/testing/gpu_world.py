@@ -22,11 +22,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ep_dist import run_distributed
+from mori_jit.ops.ep import knobs
+from mori_jit.testing.distributed import run_distributed
 
 __all__ = ["WORLD_SIZES", "Placement", "placement", "gpu_count", "mps_unavailable", "run_ep_job", "stop_mps"]
 
-WORLD_SIZES = tuple(int(w) for w in os.environ.get("MORI_EP_TEST_WORLD_SIZES", "1,2,4,8").split(",") if w.strip())
+WORLD_SIZES = knobs.ep.test_world_sizes
 
 _MPS_CONTROL = "nvidia-cuda-mps-control"
 
@@ -91,7 +92,7 @@ class _Mps:
         env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": log}
         subprocess.run([_MPS_CONTROL, "-d"], env={**os.environ, **env}, check=True, timeout=30)
         self.dirs = [pipe, log]
-        self.saved = {k: os.environ.get(k) for k in env}
+        self.saved = {k: None for k in env} | {k: v for k, v in os.environ.items() if k in env}
         os.environ.update(env)  # the ranks, spawned later, inherit it and connect to this daemon
 
     def _kill_daemon(self) -> None:
@@ -117,7 +118,7 @@ class _Mps:
                 if v is None:
                     os.environ.pop(k, None)
                 else:
-                    os.environ[k] = v
+                    os.environ.update({k: v})
             for d in self.dirs:
                 shutil.rmtree(d, ignore_errors=True)
             self.dirs, self.saved = [], {}

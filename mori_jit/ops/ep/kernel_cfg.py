@@ -9,14 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from mori_jit.jit import knobs
+from . import knobs
 from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
 from mori_jit.jit.codegen import GeneratedHeader, register_header
 from mori_jit.jit.expr import C, Derived, where
 from mori_jit.jit.fields import CConst, CEnum, ConfigError, apply_request, cfg_fields
 from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 
-from .hip_tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
+from .tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
            "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "make_ep_cfg", "region_bytes",
@@ -194,9 +194,9 @@ EpBlockThreads = Derived("EpBlockThreads", "EpCfg", C.warpPerBlock * C.waveSize,
 EpMaxRecv = Derived("EpMaxRecv", "EpCfg", where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv),
                     doc="receive capacity in rows; also the stride of the flat index pe*maxRecv+slot")
 EpNumExperts = Derived("EpNumExperts", "EpCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
-# Tokens per combine range (see ep_combine.hpp): 2, or 1 for a low-latency combine whose every
+# Tokens per combine range (see ep_combine_words.hpp): 2, or 1 for a low-latency combine whose every
 # peer-token task fits in the grid, so that each block sends at most one row per peer and sums at
-# most one token (measured at hip_tuning.ONE_TOKEN_COMBINE: such an op gets every SM). The flag
+# most one token (measured at tuning.ONE_TOKEN_COMBINE: such an op gets every SM). The flag
 # protocol needs 2 on every rank (a range flag's unit); low latency has no flags, so ranks may differ.
 EpRangeTok = Derived("EpRangeTok", "EpCfg",
                      where(C.lowLatency & (C.maxTokPerRank * (C.worldSize - 1) <= C.blockNum), 1, 2),
@@ -318,7 +318,7 @@ def _env_overrides(kind: str) -> dict[str, str]:
     out: dict[str, str] = {}
     legs = (DISPATCH.upper() + "_", COMBINE.upper() + "_")
     for specific in (False, True):
-        for raw, value in knobs.ep_geometry_overrides().items():
+        for raw, value in knobs.ep.cfg_overrides.items():
             leg = next((p for p in legs if raw.startswith(p)), None)
             if (leg is not None) != specific or (leg and leg != kind.upper() + "_"):
                 continue

@@ -1,19 +1,17 @@
 """Quick EP smoke test on all visible GPUs with step-by-step progress (debugging aid).
 
-    PYTHONPATH=.:tests python3 scripts/ep_smoke.py [--hidden 2048] [--k 8] [--m 64] [--rounds 3]
+    PYTHONPATH=. python3 tools/ep_smoke.py [--hidden 2048] [--k 8] [--m 64] [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
 import faulthandler
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from ep_dist import run_distributed  # noqa: E402
+from mori_jit.testing.distributed import run_distributed
 
 
 def _log(rank, msg):

@@ -1,4 +1,5 @@
-"""Geometry tuning tables of the ``hip`` backend (blocks × warps per block, by token count).
+"""Geometry tuning tables of the JIT kernels (the ``hip`` backend, on AMD and NVIDIA GPUs): blocks ×
+warps per block, by token count.
 
 Two tables: dispatch is keyed by dtype, combine is not (combine only reduces its bf16/fp32 staging,
 whatever the dispatch carried). Keys are ``(world_size, hidden, topk, experts_per_rank | None)``,
@@ -9,15 +10,15 @@ clamps blocks to the device's CU/SM count (combine's cross-device barrier needs 
 resident). When two geometries measure within noise, the table holds the smaller one: it leaves SMs
 to the expert GEMMs that overlap with communication.
 
-Entries come from ``scripts/bench_ep.py --sweep`` (machine and method: docs/performance.md).
+Entries come from ``tools/bench_ep.py --sweep`` (machine and method: docs/performance.md).
 """
 from __future__ import annotations
 
-import bisect
-import dataclasses
 from typing import Optional
 
-__all__ = ["Bucket", "Schedule", "DISPATCH_TABLE", "COMBINE_TABLE", "DEFAULT_DISPATCH", "DEFAULT_COMBINE",
+from .schedule import Schedule
+
+__all__ = ["Bucket", "DISPATCH_TABLE", "COMBINE_TABLE", "DEFAULT_DISPATCH", "DEFAULT_COMBINE",
            "LOW_LATENCY_MAX_TOKENS", "ONE_TOKEN_COMBINE", "BULK_DISPATCH_MIN_TOKENS", "lookup", "schedule_from_buckets"]
 
 Bucket = tuple[Optional[int], int, int]  # (max_tokens_inclusive | None, blocks, warps)
@@ -54,7 +55,7 @@ BULK_DISPATCH_MIN_TOKENS: int = 12
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
 #
 # Swept on sm_90a (2 x H200), hidden 7168, topk 8, 128 experts per rank at EP2 and 256 at EP1, graph
-# mode, every point golden-gated (``scripts/bench_ep.py --sweep``; machine and method in
+# mode, every point golden-gated (``tools/bench_ep.py --sweep``; machine and method in
 # docs/performance.md). Two runs of one point differ by about ±1 µs at 128/512 tokens and ±2 µs at
 # 4096; within that the smaller geometry (fewer warps in total) is kept. µs, fastest first:
 #   EP2 dispatch bf16  128: 64x8 14.8 | 64x16 14.8 | 132x8 15.2 | 132x16 15.3
@@ -87,26 +88,6 @@ COMBINE_TABLE: dict[tuple, list[Bucket]] = {
     (2, 7168, 8, 128): [(128, 64, 16), (None, 132, 16)],
     (1, 7168, 8, 256): [(128, 64, 16), (None, 132, 16)],
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """Merged buckets: ``edges[i]`` is the inclusive max token count of bucket i (None = no limit)."""
-
-    edges: tuple[Optional[int], ...]
-    dispatch: tuple[tuple[int, int], ...]
-    combine: tuple[tuple[int, int], ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "_finite", [e for e in self.edges if e is not None])
-
-    def index(self, num_tokens: int) -> int:
-        """Bucket index for ``num_tokens`` (the last bucket covers everything above)."""
-        return bisect.bisect_left(self._finite, num_tokens)
-
-    def variants(self) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
-        """The distinct (blocks, warps) geometries of dispatch and of combine: what gets compiled."""
-        return set(self.dispatch), set(self.combine)
 
 
 def _find(table: dict, key: tuple) -> Optional[list[Bucket]]:

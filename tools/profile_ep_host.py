@@ -7,21 +7,19 @@ backend's launch (``op.kernels``: args struct + driver call), the driver's ``cuL
 (cuda-bindings and ctypes), and the whole ``op.dispatch``/``op.combine`` calls. Two rounds, as a
 host's speed can drift between two levels (``docs/performance.md``, "Machine").
 
-    CUDA_VISIBLE_DEVICES=0 python3 scripts/profile_ep_host.py [--tokens 128] [--reps 3000]
+    CUDA_VISIBLE_DEVICES=0 python3 tools/profile_ep_host.py [--tokens 128] [--reps 3000]
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from ep_dist import run_distributed  # noqa: E402
+from mori_jit.testing.distributed import run_distributed
 
 
 def _timer(reps: int):
@@ -42,7 +40,7 @@ def _job(rank, ws, n, reps):
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
     from mori_jit.ops.ep import op as opmod
     from mori_jit.ops.ep.backend_hip import CombineOutputs
-    from mori_jit.ops.ep.cfg import COMBINE
+    from mori_jit.ops.ep.kernel_cfg import COMBINE
 
     dev = torch.device("cuda", 0)
     hidden, k = 7168, 8

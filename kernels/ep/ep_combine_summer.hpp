@@ -1,0 +1,259 @@
+// EP combine: the summer, which waits for a range's rows and sums each token's in fp32 (see
+// ep_intranode.hpp for the protocol).
+#pragma once
+#include "ep/ep_combine_words.hpp"
+
+namespace mori::ep {
+
+// Where one work item's rows come from: one source per rank its token went to (its own row
+// straight from the input, a peer's from comb_recv, where that peer pushed it), and this lane's
+// weight (lane < k) of each. `flat` is the token's forward-map entry on lane j < k (-1 elsewhere).
+// Low latency (kLow): a peer's weight is a TaggedWeight, and nibble i of `pes` is source i's rank,
+// so that peers' words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors
+// of the own row (prefetchV0, + waveSize, ...) are hinted into L2 as soon as the row is known: the
+// input was complete at the kernel's start, so its HBM latency can pass while the wave waits for
+// the peers' flags. (Loading it into registers there instead delayed the poll: docs/performance.md,
+// "Own row hinted into L2".)
+template <EpCfg kCfg>
+struct ItemSources {
+  static constexpr bool kLow = kCfg.lowLatency;
+  static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
+  static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg);
+  static constexpr int kW = kCfg.waveSize, kUnroll = kCfg.vecUnroll;
+  const vec16_t* row[kWs];
+  const void* w[kWs];  // the own row's: a float of the input's weights; a peer's: a CombWeight
+  int n = 0;
+  uint32_t pes = 0;
+  MORI_DEVICE ItemSources(const EpArgs& args, bool sumWeights, int flat, int t, int prefetchV0 = -1) {
+    const int rank = args.rank, lane = plat::lane_id();
+    const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
+    const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
+    const CombWeight<kLow>* recvW = At<CombWeight<kLow>>(args, rank, args.off_comb_recv_wts);
+#pragma unroll
+    for (int i = 0; i < kWs; ++i) row[i] = nullptr, w[i] = nullptr;
+    for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
+      const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
+      if (pe == rank && slot >= args.inpRows) continue;  // short input (reported): never read past it
+      const vec16_t* r = pe == rank ? in + size_t(slot) * kVecs : recv + size_t(pe * kM + t) * kVecs;
+      if (pe == rank && prefetchV0 >= 0)
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (prefetchV0 + u * kW < kVecs) plat::prefetch_l2(r + prefetchV0 + u * kW);
+      // (formed only with weights: the input's weights pointer may be null otherwise)
+      const void* wp = !sumWeights ? nullptr
+                       : pe == rank ? static_cast<const void*>(args.inpWeights + size_t(slot) * kK + lane)
+                                    : static_cast<const void*>(recvW + size_t(pe * kM + t) * kK + lane);
+#pragma unroll
+      for (int i = 0; i < kWs; ++i)  // (static indices: the arrays stay in registers)
+        if (i == n) row[i] = r, w[i] = wp;
+      if constexpr (kLow) pes |= uint32_t(pe) << (4 * n);
+      ++n;
+    }
+  }
+  MORI_DEVICE int Pe(int i) const { return int(pes >> (4 * i)) & 15; }
+  MORI_DEVICE bool Peer(int i, int rank) const { return Pe(i) != rank; }
+};
+
+// Low latency, after a pair of sources' first loads (SumRange): wait for each peer's weight (here
+// once it carries this combine's epoch; a short row's is 0), then reload whatever vector still
+// holds an empty word until none does: every lane polls its own vectors, so the wave has its rows
+// one load after the last lands (polling one word per row first, then loading, cost a load more:
+// docs/performance.md, "Every lane polls its own vectors"). The timeout decision is wave-uniform:
+// each lane reads its own clock, and a lane that left alone would leave its wave's next vote short
+// of it: the wave would hang.
+template <EpCfg kCfg, typename Src>
+MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, int s, int pair, bool withW, int v0,
+                           int t, uint64_t (&tw)[2], float* wv, vec16_t (&buf)[2][kCfg.vecUnroll]) {
+  constexpr int kW = kCfg.waveSize, kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll;
+  const int rank = args.rank;
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+    if (withW && p < pair && src.Peer(s + p, rank)) {
+      for (uint64_t since = 0; !WeightArrived(tw[p], target);) {
+        const uint64_t now = plat::now_ns();
+        if (!since) since = now;
+        if (now - since > uint64_t(args.timeoutNs)) {  // (no vote in this loop: per lane is safe)
+          RecordError(args, kErrTimeout, TimeoutDetail(kWaitCombineRows, src.Pe(s + p), rank), uint64_t(t));
+          break;
+        }
+        tw[p] = plat::load_relaxed_system(static_cast<const uint64_t*>(src.w[s + p]));
+      }
+      wv[s + p] = __uint_as_float(uint32_t(tw[p]));
+    }
+  for (uint64_t since = 0;;) {
+    bool empty = false;
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs) empty |= HasWord(buf[p][u], kEmptyWord);
+    if (!plat::wave_any(empty)) return;
+    const uint64_t now = plat::now_ns();
+    if (!since) since = now;
+    if (plat::wave_any(now - since > uint64_t(args.timeoutNs))) {
+      const int peer = src.Pe(src.Peer(s, rank) ? s : s + 1);
+      RecordError(args, kErrTimeout, TimeoutDetail(kWaitCombineRows, peer, rank), uint64_t(t));
+      return;
+    }
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs && HasWord(buf[p][u], kEmptyWord))
+          buf[p][u] = plat::load_words_relaxed(src.row[s + p] + v0 + u * kW);
+  }
+}
+
+// Sum range b of this rank's tokens: wait for every peer's flag of the range, then sum each token's
+// rows (ItemSources) in fp32. One work item is one chunk of one token's row; the items go round the
+// block's waves in block-uniform rounds. `*nextRange` (shared, set before the call) is the block's
+// next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
+// loads and its stores, so that neither the block's count nor the combine-done release waits for
+// those stores (nothing needs them before the kernel's end). `seen`: when the flags were seen.
+// Low latency (kLow): no flags. Each wave waits for its own item's rows: it loads the chunk with
+// strong loads and reloads any vector still holding an empty word (AwaitRest), sums, and sets the
+// words it read back to kEmptyWord for the next combine (before its block's count); `seen` is then
+// when the wave last had its rows.
+template <EpCfg kCfg, typename T, typename Finish>
+MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, int b, const int* nextRange,
+                          int numRanges, Finish&& finish) {
+  constexpr int kW = kCfg.waveSize, kK = kCfg.numExpertPerToken, kWs = kCfg.worldSize, kM = kCfg.maxTokPerRank;
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll, kWaves = kCfg.warpPerBlock;
+  constexpr int kPerVec = 16 / sizeof(T), kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
+  constexpr bool kLow = kCfg.lowLatency;
+  using Src = ItemSources<kCfg>;
+  const int rank = args.rank, lane = plat::lane_id(), wave = plat::wave_id(), n = args.numTokens;
+  const int* tokOff = At<int>(args, rank, args.off_tok_off);
+  const int t0 = b * kRangeTok<kCfg>, numItems = min(kRangeTok<kCfg>, n - t0) * kChunks;
+  // The wave's first item's sources (from the forward map, which a previous kernel wrote), worked
+  // out before the wait: after it, that arithmetic cost 0.6-0.8 us of issue (every wave of the
+  // block runs it at once, four to a scheduler).
+  Src src(args, sumWeights, wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1,
+          t0 + wave / kChunks, (wave % kChunks) * kChunkVecs + lane);
+  uint64_t seen = 0;
+  if constexpr (!kLow) {
+    // One poller per peer and block (a poller per wave measured slower: the polls load the memory
+    // system the senders use).
+    if (threadIdx.x < kWs && threadIdx.x != rank) {
+      const uint64_t* flags = At<uint64_t>(args, rank, args.off_comb_flags);
+      const uint64_t got = WaitAtLeast(args, flags + threadIdx.x * kM + b, RangeFlag(target, false), kWaitCombineRange,
+                                       threadIdx.x);
+      if (got == RangeFlag(target, true))  // the peer's rows of some of these tokens were never sent
+        RecordError(args, kErrPeerShortInput, PeerShortDetail(threadIdx.x, rank), uint64_t(t0));
+    }
+    __syncthreads();  // the acquire loads above, then the barrier, order every thread's loads below
+    if constexpr (plat::kFenceEveryWave) plat::fence_system();
+    seen = plat::now_ns();
+    if (b == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
+  } else {
+    __syncthreads();  // publishes *nextRange (the claimer's store before this call)
+  }
+  const bool closing = *nextRange >= numRanges;  // block-uniform (the barrier above published it)
+  const int rounds = (numItems + kWaves - 1) / kWaves;
+  for (int round = 0; round < rounds; ++round) {
+    const int item = round * kWaves + wave, t = t0 + item / kChunks, chunk = item % kChunks, next = item + kWaves;
+    const bool has = item < numItems;  // wave-uniform
+    // the next round's forward-map entry, in flight during this round
+    const int nextFlat = next < numItems && lane < kK ? tokOff[(t0 + next / kChunks) * kK + lane] : -1;
+    float acc[kUnroll][kPerVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int e = 0; e < kPerVec; ++e) acc[u][e] = 0.f;
+    float wv[kWs];
+#pragma unroll
+    for (int s = 0; s < kWs; ++s) wv[s] = 0.f;
+    // A token's weights (first chunk, lane < k): every source's load issued with the rows' loads
+    // below, not after them, so this item costs one memory latency, not two.
+    const bool withW = has && sumWeights && chunk == 0 && lane < kK;
+    const int v0 = chunk * kChunkVecs + lane;
+    if (has) {
+      const int numSrc = src.n;
+      if constexpr (!kLow)
+#pragma unroll
+        for (int s = 0; s < kWs; ++s)
+          if (withW && s < numSrc) wv[s] = plat::load_peer_f32(static_cast<const float*>(src.w[s]));
+      // two sources' loads in flight at once (a token has one source per rank it went to)
+#pragma unroll
+      for (int s = 0; s < kWs; s += 2) {  // (static indices into src: registers, not the stack)
+        if (s >= numSrc) break;
+        const int pair = s + 1 < numSrc ? 2 : 1;
+        vec16_t buf[2][kUnroll];
+        bool shortRow[2] = {false, false};
+        if constexpr (kLow) {
+          uint64_t tw[2] = {0, 0};  // a peer's TaggedWeight, loaded before the rows
+#pragma unroll
+          for (int p = 0; p < 2; ++p)
+            if (withW && p < pair) {
+              if (src.Peer(s + p, rank)) tw[p] = plat::load_relaxed_system(static_cast<const uint64_t*>(src.w[s + p]));
+              else wv[s + p] = plat::load_peer_f32(static_cast<const float*>(src.w[s + p]));
+            }
+#pragma unroll
+          for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+              if (p < pair && v0 + u * kW < kVecs)
+                buf[p][u] = src.Peer(s + p, rank) ? plat::load_words_relaxed(src.row[s + p] + v0 + u * kW)
+                                                  : plat::load_peer(src.row[s + p] + v0 + u * kW);
+          AwaitRest<kCfg>(args, target, src, s, pair, withW, v0, t, tw, wv, buf);
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            // a peer's row beyond its short input came as kShortWord words: summed without it, reported
+            const bool peer = p < pair && src.Peer(s + p, rank);
+            shortRow[p] = plat::wave_any(peer && v0 < kVecs && HasWord(buf[p][0], kShortWord));
+            if (shortRow[p] && chunk == 0 && lane == 0)
+              RecordError(args, kErrPeerShortInput, PeerShortDetail(src.Pe(s + p), rank), uint64_t(t));
+          }
+        } else {
+#pragma unroll
+          for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+              if (p < pair && v0 + u * kW < kVecs) buf[p][u] = plat::load_peer(src.row[s + p] + v0 + u * kW);
+        }
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const T* el = reinterpret_cast<const T*>(&buf[p][u]);
+#pragma unroll
+            for (int e = 0; e < kPerVec; ++e)
+              if (p < pair && (!kLow || !shortRow[p])) acc[u][e] += to_f32(el[e]);
+          }
+        if constexpr (kLow)  // the peers' words back to empty for the next combine (before the count)
+#pragma unroll
+          for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+              if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs)
+                plat::store_words_relaxed(const_cast<vec16_t*>(src.row[s + p]) + v0 + u * kW, WordVec(kEmptyWord));
+      }
+      if constexpr (kLow) {
+        seen = plat::now_ns();
+        if (b == 0 && round == 0 && threadIdx.x == 0) StampAt(args, kStCombFirstRange);
+      }
+    }
+    if (closing && round == rounds - 1) finish(seen);  // every read of this block is done
+    if (has) {
+      vec16_t* out = reinterpret_cast<vec16_t*>(static_cast<char*>(args.outTok) + size_t(t) * EpTokenBytes(kCfg));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v0 + u * kW >= kVecs) break;
+        vec16_t o;
+        T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) oe[e] = from_f32<T>(acc[u][e]);
+        out[v0 + u * kW] = o;
+      }
+      if (withW) {
+        float w = 0.f;
+#pragma unroll
+        for (int s = 0; s < kWs; ++s) w += wv[s];
+        args.outWeights[t * kK + lane] = w;
+      }
+    }
+    if (round + 1 < rounds) src = Src(args, sumWeights, nextFlat, t0 + next / kChunks);
+  }
+}
+
+}  // namespace mori::ep

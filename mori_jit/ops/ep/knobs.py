@@ -1,0 +1,25 @@
+"""The EP op's settings, read from the environment (see :mod:`mori_jit.jit.knobs` for the framework's)."""
+from __future__ import annotations
+
+from mori_jit.jit.knobs import Group, IntListSetting, PositiveFloatSetting, PrefixSetting, StrSetting
+
+__all__ = ["EpKnobs", "ep"]
+
+
+class EpKnobs(Group):
+    """The EP op's backend, its kernels' spin-wait bound, overrides of their EpCfg fields, and the
+    world sizes of its GPU tests."""
+
+    name = "ep"
+    kernel_backend = StrSetting("MORI_V2_KERNEL_BACKEND", None, "the EP backend when the op's config names none",
+                                default_doc="DEFAULT_BACKEND of ops/ep/config.py")
+    timeout_s = PositiveFloatSetting("MORI_EP_TIMEOUT_S", 30.0,
+                                     "how long an EP kernel spin-waits before it gives up and reports a timeout")
+    cfg_overrides = PrefixSetting("MORI_V2_EP_", "MORI_V2_EP_[DISPATCH_|COMBINE_]<FIELD>: an EpCfg field of both "
+                                                 "legs or one (e.g. MORI_V2_EP_COMBINE_BLOCKNUM=64); enters the key")
+    test_world_sizes = IntListSetting("MORI_EP_TEST_WORLD_SIZES", (1, 2, 4, 8),
+                                      "the world sizes the EP GPU tests run at (several ranks per GPU where the "
+                                      "machine has fewer GPUs)")
+
+
+ep = EpKnobs()
