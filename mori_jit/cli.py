@@ -26,7 +26,6 @@ import re
 import sys
 import time
 import traceback
-import types
 import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path

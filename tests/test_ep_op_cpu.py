@@ -410,7 +410,7 @@ def test_shipped_tuning_tables_are_well_formed(arch):
 
 def test_overlapping_outputs_are_refused_by_name():
     """The one overlap rule behind combine's out= refusal: byte ranges, empty ones overlap nothing."""
-    from mori_jit.ops.ep.op import _refuse_overlaps, _span
+    from mori_jit.ops.ep.arguments import byte_span as _span, refuse_overlaps as _refuse_overlaps
 
     base = torch.empty(64, dtype=torch.uint8)
     region = ("the arena", _span(base[48:64]))

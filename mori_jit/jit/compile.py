@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

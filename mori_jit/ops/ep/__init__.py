@@ -10,7 +10,7 @@ import importlib
 
 #: Each public name and the module that defines it.
 _MODULE_OF = {"EpDispatchCombineConfig": ".config", "EpDispatchCombineOp": ".op", "EpDeviceError": ".op",
-              "EpUnsupportedError": ".op", "KernelSet": ".op"}
+              "EpUnsupportedError": ".op", "EpPeerError": ".op", "KernelSet": ".op"}
 
 __all__ = list(_MODULE_OF)
 

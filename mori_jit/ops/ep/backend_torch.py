@@ -49,4 +49,4 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             return y, y_w
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
-                         capabilities=frozenset({"scales", "gloo", "nccl"}))
+                         capabilities=frozenset({"scales", "gloo", "nccl", "host_collectives"}))

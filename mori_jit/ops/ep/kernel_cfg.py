@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from . import knobs
 from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
 from mori_jit.jit.codegen import GeneratedHeader, register_header
 from mori_jit.jit.expr import C, Derived, where
 from mori_jit.jit.fields import CConst, CEnum, ConfigError, apply_request, cfg_fields
 from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 
+from . import knobs
+from .contract import ROW_ALIGN
 from .tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
@@ -27,7 +28,7 @@ __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "St
 EP_MAX_PEERS = 8
 #: Bytes of the vectors the kernels move rows in: a token row is whole vectors (every backend
 #: refuses other hidden sizes, see config.py, so that one config is valid for all).
-EP_ROW_ALIGN = 16
+EP_ROW_ALIGN = ROW_ALIGN
 #: Most threads in one block, on every supported arch.
 EP_MAX_BLOCK_THREADS = 1024
 #: Most dynamic shared memory for a dispatch block's bulk-copy stages: sm_90's 227 KiB per block

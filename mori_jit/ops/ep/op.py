@@ -14,17 +14,18 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .arena import SymmArena
 from .config import EpDispatchCombineConfig
+from .arguments import ROW_ALIGN, byte_span, expect_tensor, refuse_overlaps
 from .peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
 from .schedule import Schedule
 
-__all__ = ["EpDispatchCombineOp", "KernelSet", "EpUnsupportedError", "EpDeviceError"]
+__all__ = ["EpDispatchCombineOp", "KernelSet", "EpUnsupportedError", "EpDeviceError", "EpPeerError"]
 
 _BACKENDS = {"hip": "mori_jit.ops.ep.backend_hip:EpDispatchCombineOpHip",
              "torch": "mori_jit.ops.ep.backend_torch:EpDispatchCombineOpTorch"}
@@ -32,6 +33,10 @@ _BACKENDS = {"hip": "mori_jit.ops.ep.backend_hip:EpDispatchCombineOpHip",
 
 class EpUnsupportedError(NotImplementedError):
     """The chosen backend cannot serve this config; the message lists everything missing."""
+
+
+class EpPeerError(RuntimeError):
+    """A peer refused its arguments to a collective call, so no rank ran it (this rank's are fine)."""
 
 
 class EpDeviceError(RuntimeError):
@@ -73,62 +78,6 @@ def gather_unquantized_gaps(cfg: EpDispatchCombineConfig) -> list[str]:
 def _backend_class(name: str) -> type:
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)
-
-
-#: Alignment of the token-row tensors (dispatch input, combine input and output): the kernels move
-#: rows as 16-byte vectors (and the bulk-copy unit needs 16-byte addresses); a misaligned pointer
-#: would fault on the device, killing the context, instead of raising here.
-ROW_ALIGN = 16
-
-
-def _expect(name: str, t: Any, dtype, shape: tuple, device, align: int = 1) -> None:
-    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a contiguous ``dtype`` tensor of
-    ``shape`` (None = any) on ``device`` whose data starts on an ``align``-byte boundary. The
-    common, valid case costs a few attribute reads."""
-    try:
-        if (t.dtype is dtype and t.shape == shape and t.device == device and t.is_contiguous()
-                and (align == 1 or t.data_ptr() % align == 0)):
-            return
-    except AttributeError:
-        pass
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor")
-    if t.data_ptr() % align:
-        raise ValueError(f"{name}: data at {t.data_ptr():#x} is not {align}-byte aligned (the kernels move rows "
-                         f"as {align}-byte vectors); pass a tensor whose storage starts on such a boundary")
-
-
-def _span(t: Optional[torch.Tensor]) -> tuple[int, int]:
-    """The byte range [start, end) of a contiguous tensor (empty for None)."""
-    if t is None:
-        return 0, 0
-    start = t.data_ptr()
-    return start, start + t.nbytes
-
-
-def _refuse_overlaps(outputs: tuple, inputs: tuple, region: tuple[str, tuple[int, int]]) -> None:
-    """Raise ValueError naming the first output (``(name, tensor | None)``) whose bytes overlap an
-    input's (same form) or ``region`` (``(name, byte span)``). Empty ranges overlap nothing; touching
-    ranges do not overlap. Inlined int compares: it runs on every ``combine(out=)`` call."""
-    spans = [(name, start, start + t.nbytes) for name, t in inputs if t is not None for start in (t.data_ptr(),)]
-    spans.append((region[0], *region[1]))
-    for name, t in outputs:
-        if t is None:
-            continue
-        a = t.data_ptr()
-        b = a + t.nbytes
-        for what, s, e in spans:
-            if a < e and s < b and a < b and s < e:
-                raise ValueError(f"{name}: overlaps {what}; pass a separate tensor")
 
 
 class EpDispatchCombineOp(abc.ABC):
@@ -184,7 +133,7 @@ class EpDispatchCombineOp(abc.ABC):
         regions = self._regions(cfg)
         self.memory_kind = memory_kind(cfg.symm_memory, cards) if regions else None
         self.arena = SymmArena.create(regions, self.group, self.device, self.memory_kind) if regions else None
-        self._arena_span = _span(self.arena.tensor if self.arena is not None else None)
+        self._arena_span = byte_span(self.arena.tensor if self.arena is not None else None)
         self._kernels = self._build_kernels(cfg, self.arena)
         # What every call reads, resolved once: the config's properties cost a Python call each,
         # and dispatch()/combine() have a host budget of a few microseconds.
@@ -193,6 +142,8 @@ class EpDispatchCombineOp(abc.ABC):
         self._pick = self._kernels.schedule.index
         self._disp_dtype, self._comb_dtype, self._cap = cfg.dispatch_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._routing = None  # the latest dispatch's routing
+        # backends whose legs are host collectives agree on the arguments first (see _agreed)
+        self._agree_per_call = "host_collectives" in self._kernels.capabilities
         self._closed = False
 
     def close(self) -> None:
@@ -269,6 +220,17 @@ class EpDispatchCombineOp(abc.ABC):
         shows only in a later call or :meth:`check` (its outputs are then garbage).
         """
         k = self._live()
+        if self._agree_per_call:
+            n = self._agreed("dispatch", weights is not None, self._check_dispatch, k, input, weights, scales,
+                             indices, routing)
+        else:
+            n = self._check_dispatch(k, input, weights, scales, indices, routing)
+        res = k.dispatch(self._pick(n), input, weights, scales, indices)
+        self._routing = res[5]  # the only routing combine accepts until the next dispatch
+        return res if return_routing else res[:5]
+
+    def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing) -> int:
+        """Raise TypeError/ValueError naming a bad argument; return the token count."""
         cfg, dev = self.cfg, self.device
         if routing is not None:
             raise EpUnsupportedError("routing replay (dispatch(routing=...)) is not supported")
@@ -277,17 +239,15 @@ class EpDispatchCombineOp(abc.ABC):
         n = input.shape[0] if input.dim() == 2 else -1
         if n > cfg.max_num_inp_token_per_rank:
             raise ValueError(f"input: {n} tokens exceed max_num_inp_token_per_rank={cfg.max_num_inp_token_per_rank}")
-        _expect("input", input, self._disp_dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
+        expect_tensor("input", input, self._disp_dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
         if weights is not None:
-            _expect("weights", weights, torch.float32, (n, cfg.num_experts_per_token), dev)
+            expect_tensor("weights", weights, torch.float32, (n, cfg.num_experts_per_token), dev)
         if scales is not None:
             if "scales" not in k.capabilities:
                 raise EpUnsupportedError("per-token scales are not supported by this backend")
-            _expect("scales", scales, scales.dtype, (n, cfg.scale_dim), dev)
-        _expect("indices", indices, torch.int32, (n, cfg.num_experts_per_token), dev)
-        res = k.dispatch(self._pick(n), input, weights, scales, indices)
-        self._routing = res[5]  # the only routing combine accepts until the next dispatch
-        return res if return_routing else res[:5]
+            expect_tensor("scales", scales, scales.dtype, (n, cfg.scale_dim), dev)
+        expect_tensor("indices", indices, torch.int32, (n, cfg.num_experts_per_token), dev)
+        return n
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
                 indices: Optional[torch.Tensor] = None, *, routing, out: Optional[torch.Tensor] = None,
@@ -305,6 +265,15 @@ class EpDispatchCombineOp(abc.ABC):
         call or by :meth:`check` once the device has run it.
         """
         k = self._live()
+        if self._agree_per_call:
+            n = self._agreed("combine", weights is not None, self._check_combine, input, weights, routing, out,
+                             out_weights)
+        else:
+            n = self._check_combine(input, weights, routing, out, out_weights)
+        return k.combine(self._pick(n), input, weights, routing, out, out_weights)
+
+    def _check_combine(self, input, weights, routing, out, out_weights) -> int:
+        """Raise TypeError/ValueError naming a bad argument; return the token count."""
         cfg, dev, dtype = self.cfg, self.device, self._comb_dtype
         if routing is not self._routing:
             # (an identity test: it runs on every call) Another op's routing, or an older dispatch's,
@@ -318,18 +287,48 @@ class EpDispatchCombineOp(abc.ABC):
         rows = input.shape[0]
         if rows > self._cap:
             raise ValueError(f"input: {rows} rows exceed the receive capacity {self._cap}")
-        _expect("input", input, dtype, (rows, cfg.hidden_dim), dev, ROW_ALIGN)
+        expect_tensor("input", input, dtype, (rows, cfg.hidden_dim), dev, ROW_ALIGN)
         if weights is not None:
-            _expect("weights", weights, torch.float32, (rows, cfg.num_experts_per_token), dev)
+            expect_tensor("weights", weights, torch.float32, (rows, cfg.num_experts_per_token), dev)
+        total = getattr(routing, "total_recv", None)
+        if type(total) is int and rows < total:  # (a host count: backends whose routing knows it)
+            raise ValueError(f"input: {rows} rows, but dispatch received {total}; pass every received row's output")
         n = routing.num_tokens
         if out is not None or out_weights is not None:
             if out is not None:
-                _expect("out", out, dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
+                expect_tensor("out", out, dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
             if out_weights is not None:
                 if weights is None:
                     raise ValueError("out_weights: given without weights (there are no weights to combine)")
-                _expect("out_weights", out_weights, torch.float32, (n, cfg.num_experts_per_token), dev)
+                expect_tensor("out_weights", out_weights, torch.float32, (n, cfg.num_experts_per_token), dev)
             # the kernel reads the inputs, and the peers the arena, while it writes the outputs
-            _refuse_overlaps((("out", out), ("out_weights", out_weights)),
+            refuse_overlaps((("out", out), ("out_weights", out_weights)),
                              (("input", input), ("weights", weights)), ("the op's symmetric buffers", self._arena_span))
-        return k.combine(self._pick(n), input, weights, routing, out, out_weights)
+        return n
+
+    def _agreed(self, leg: str, weights_given: bool, check: Callable[..., int], *args) -> int:
+        """``check(*args)`` on every rank, then one small collective before any rank enters the
+        leg's own: a rank whose arguments were refused raises its error, and every peer raises
+        :class:`EpPeerError` naming it, instead of waiting in an exchange the refused rank never
+        joins; ranks that disagree on passing weights all raise ValueError. For backends whose
+        legs are host-side collectives (the ``torch`` backend); the ``hip`` backend's kernels
+        report a missing peer themselves (a timeout, :class:`EpDeviceError`)."""
+        try:
+            n, refusal = check(*args), None
+        except (TypeError, ValueError, EpUnsupportedError) as e:
+            n, refusal = -1, e
+        facts: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(facts, (None if refusal is None else f"{type(refusal).__name__}: {refusal}",
+                                       weights_given), group=self.group)
+        if refusal is not None:
+            raise refusal
+        refused = [(r, msg) for r, (msg, _) in enumerate(facts) if msg]
+        if refused:
+            r, msg = refused[0]
+            raise EpPeerError(f"{leg}: rank {r} refused its arguments ({msg}); no rank ran this {leg}")
+        given = [g for _, g in facts]
+        if any(g != given[0] for g in given):
+            with_w = [r for r, g in enumerate(given) if g]
+            raise ValueError(f"weights: given on ranks {with_w} and not on the others; every rank passes weights "
+                             f"to {leg} or none does")
+        return n

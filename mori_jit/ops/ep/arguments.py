@@ -1,0 +1,62 @@
+"""What the op's calls accept: the checks of a tensor argument, each raising TypeError/ValueError
+that names the argument, the value and what is allowed. The common, valid case costs a few
+attribute reads (they run on every call, inside a host budget of a few microseconds)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .contract import ROW_ALIGN
+
+__all__ = ["ROW_ALIGN", "expect_tensor", "byte_span", "refuse_overlaps"]
+
+
+def expect_tensor(name: str, t: Any, dtype, shape: tuple, device, align: int = 1) -> None:
+    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a contiguous ``dtype`` tensor of
+    ``shape`` (None = any) on ``device`` whose data starts on an ``align``-byte boundary. The
+    common, valid case costs a few attribute reads."""
+    try:
+        if (t.dtype is dtype and t.shape == shape and t.device == device and t.is_contiguous()
+                and (align == 1 or t.data_ptr() % align == 0)):
+            return
+    except AttributeError:
+        pass
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+    if t.data_ptr() % align:
+        raise ValueError(f"{name}: data at {t.data_ptr():#x} is not {align}-byte aligned (the kernels move rows "
+                         f"as {align}-byte vectors); pass a tensor whose storage starts on such a boundary")
+
+
+def byte_span(t: Optional[torch.Tensor]) -> tuple[int, int]:
+    """The byte range [start, end) of a contiguous tensor (empty for None)."""
+    if t is None:
+        return 0, 0
+    start = t.data_ptr()
+    return start, start + t.nbytes
+
+
+def refuse_overlaps(outputs: tuple, inputs: tuple, region: tuple[str, tuple[int, int]]) -> None:
+    """Raise ValueError naming the first output (``(name, tensor | None)``) whose bytes overlap an
+    input's (same form) or ``region`` (``(name, byte span)``). Empty ranges overlap nothing; touching
+    ranges do not overlap. Inlined int compares: it runs on every ``combine(out=)`` call."""
+    spans = [(name, start, start + t.nbytes) for name, t in inputs if t is not None for start in (t.data_ptr(),)]
+    spans.append((region[0], *region[1]))
+    for name, t in outputs:
+        if t is None:
+            continue
+        a = t.data_ptr()
+        b = a + t.nbytes
+        for what, s, e in spans:
+            if a < e and s < b and a < b and s < e:
+                raise ValueError(f"{name}: overlaps {what}; pass a separate tensor")
