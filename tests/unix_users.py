@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import pytest
 
-#: The users the tests create (and remove at the end of the session): an owner of a cache, a reader.
+#: The users the tests create (and remove when the pytest run ends): an owner of a cache, a reader.
 NAMES = ("mori-jit-test-owner", "mori-jit-test-reader")
 
 
@@ -47,7 +47,7 @@ def ensure_users() -> dict[str, pwd.struct_passwd]:
 
 
 def remove_users() -> None:
-    """Remove the test users if this session created them (best effort)."""
+    """Remove the test users if this pytest run created them (best effort)."""
     if os.geteuid() != 0 or shutil.which("userdel") is None:
         return
     for name in NAMES:

@@ -4,7 +4,7 @@ ranks per GPU, on the IPC arena provider and gloo, under CUDA MPS.
 Ranks that share a GPU spin-wait on each other's kernels, so they must run concurrently: MPS does
 that (plain time slicing only makes them crawl into their timeouts). :func:`run_ep_job` starts an
 MPS control daemon with private pipe and log folders when a job shares a GPU and none runs yet, and
-:func:`stop_mps` (called at the end of the test session, and at exit) stops the daemon it started.
+:func:`stop_mps` (called when the pytest run ends, and at exit) stops the daemon it started.
 NCCL refuses two ranks on one GPU, so such jobs use gloo (the golden check and the torch backend
 run on it too). No timing from several ranks on one GPU measures anything but the protocol.
 
