@@ -90,3 +90,25 @@ def test_weights_with_no_rows_are_still_weights_given():
     assert _weights_ptr(w[:0], given=0x1000) == 0x1000
     assert _weights_ptr(w, given=0x1000) == w.data_ptr()
     assert _weights_ptr(None, given=0x1000) == 0
+
+
+def test_ipc_blocks_must_share_a_host_and_a_size():
+    from mori_jit.ops.ep.symm_memory import check_peer_blocks, make_provider
+
+    check_peer_blocks([("h", 4096), ("h", 4096)])
+    with pytest.raises(RuntimeError, match=r"needs every rank on one host; the group spans 2 \(rank 0: a; rank 1: b\)"):
+        check_peer_blocks([("a", 4096), ("b", 4096)])
+    with pytest.raises(RuntimeError, match=r"ranks asked for different sizes \[4096, 8192\]"):
+        check_peer_blocks([("h", 4096), ("h", 8192)])
+    assert {make_provider(k).kind for k in ("torch", "ipc")} == {"torch", "ipc"}
+    with pytest.raises(ValueError, match=r"provider 'auto': allowed \('torch', 'ipc'\)"):
+        make_provider("auto")
+
+
+def test_arena_layout_is_one_declaration_aligned_in_order():
+    from mori_jit.ops.ep.arena import ALIGN, layout
+
+    offsets, total = layout({"a": 1, "b": 256, "c": 0, "d": 300})
+    assert offsets == {"a": 0, "b": 256, "c": 512, "d": 512} and total == 512 + 512 and ALIGN == 256
+    with pytest.raises(ValueError, match="region 'x': negative size -1"):
+        layout({"x": -1})

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["MemoryProvider", "TorchSymmMemProvider", "IpcMemoryProvider", "make_provider"]
+__all__ = ["MemoryProvider", "TorchSymmMemProvider", "IpcMemoryProvider", "make_provider", "check_peer_blocks"]
 
 
 class MemoryProvider(Protocol):
@@ -73,6 +73,19 @@ def _torch_before(major: int, minor: int) -> bool:
     return (int(parts[0]), int(parts[1])) < (major, minor)
 
 
+def check_peer_blocks(blocks: list[tuple[str, int]]) -> None:
+    """Raise RuntimeError unless every rank's block (``(host, bytes)``, by rank) is on one host and
+    of one size: an IPC handle opens only on its own host, and peers index every block alike."""
+    hosts = {h for h, _ in blocks}
+    if len(hosts) > 1:
+        where = "; ".join(f"rank {r}: {h}" for r, (h, _) in enumerate(blocks))
+        raise RuntimeError(f"IPC symmetric memory needs every rank on one host; the group spans {len(hosts)} ({where})")
+    sizes = [n for _, n in blocks]
+    if any(n != sizes[0] for n in sizes):
+        raise RuntimeError(f"IPC symmetric memory: ranks asked for different sizes {sizes} (bytes, by rank); "
+                           f"every rank must lay out the same arena (compare the ranks' configs)")
+
+
 class IpcMemoryProvider:
     """One plain allocation per rank, mapped into every peer through IPC handles (see the module)."""
 
@@ -96,14 +109,7 @@ class IpcMemoryProvider:
         meta = buf.untyped_storage()._share_cuda_()
         cards: list = [None] * ws
         dist.all_gather_object(cards, (host_id(), nbytes, meta), group=group)
-        hosts = {c[0] for c in cards}
-        if len(hosts) > 1:
-            where = "; ".join(f"rank {r}: {c[0]}" for r, c in enumerate(cards))
-            raise RuntimeError(f"IPC symmetric memory needs every rank on one host; the group spans {len(hosts)} ({where})")
-        sizes = [c[1] for c in cards]
-        if any(s != nbytes for s in sizes):
-            raise RuntimeError(f"IPC symmetric memory: ranks asked for different sizes {sizes} (bytes, by rank); "
-                               f"every rank must lay out the same arena (compare the ranks' configs)")
+        check_peer_blocks([(c[0], c[1]) for c in cards])
         bases = []
         for pe, (_, _, peer_meta) in enumerate(cards):
             if pe == rank:
