@@ -392,7 +392,7 @@ def test_wheel_ships_sources_and_keys_match_the_checkout(fake_cc, tmp_path):
         for f in (REPO / d).rglob("*"):
             if f.is_file() and "__pycache__" not in f.parts:
                 assert f"mori_jit/_sources/{f.relative_to(REPO).as_posix()}" in names
-    assert "mori_jit/cli.py" in names and "mori_jit/__main__.py" in names
+    assert "mori_jit/cli/__init__.py" in names and "mori_jit/__main__.py" in names
     site = tmp_path / "site"
     zipfile.ZipFile(whl).extractall(site)
     code = ("from mori_jit.jit import paths, compile, toolchain; from mori_jit.examples.axpy_spec import AXPY, AxpyCfg;"

@@ -1,0 +1,120 @@
+"""``mori-jit``: inspect, build and manage the JIT cache from the shell.
+
+Verbs (``mori-jit <verb> --help`` for each)::
+
+    mori-jit info [--arch A]                      arch, compiler + signature, source root, cache, env
+    mori-jit render SPEC [--arch A] [--set k=v ...]   the translation unit
+    mori-jit key SPEC [--arch A] [--set k=v ...]      the hex cache key
+    mori-jit describe SPEC [--arch A] [--set k=v ...] JSON: spec, entry, cfg fields, schema
+    mori-jit compile SPEC [--arch A] [--set k=v ...]  build (or hit); prints the entry directory
+    mori-jit precompile [--arch A] [-j N]          everything the shipped specs need
+    mori-jit cache path|ls|verify|clear
+
+``--arch`` builds a toolchain for that arch (:func:`~mori_jit.jit.toolchain.make_toolchain`, no
+process-wide state); without it the arch is ``MORI_JIT_ARCH``, else the current device, and for
+``precompile`` on a machine without a GPU the installed compiler's (nvcc: sm_90a, hipcc: gfx90a). ``--set``
+values go through ``spec.make_cfg(toolchain, request)`` (numeric strings and enum names are coerced
+there). Bad input exits non-zero with one ``mori-jit: error: ...`` line on stderr and no traceback
+(``MORI_JIT_VERBOSE=2`` shows it).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+import warnings
+from typing import Sequence
+
+from .build import cmd_compile, cmd_describe, cmd_key, cmd_precompile, cmd_render, precompile_targets
+from .cache import cmd_cache
+from .common import PROG, CliError, Parser, UsageError, error_line, positive_int
+from .info import cmd_info
+
+__all__ = ["main", "precompile_targets", "CliError", "UsageError"]
+
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = Parser(prog=PROG, description="mori-jit: inspect, build and cache JIT GPU kernels.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def arch_opt(sp):
+        sp.add_argument("--arch", help="target arch (gfx90a, gfx942, sm_90a, ...); default: MORI_JIT_ARCH, "
+                                       "else the current device")
+
+    def spec_verb(name, help_):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("spec", help="spec name (see 'mori-jit info')")
+        arch_opt(sp)
+        sp.add_argument("--set", action="extend", nargs="+", metavar="FIELD=VALUE", default=[],
+                        help="config field overrides (enum names and numeric strings are accepted)")
+        return sp
+
+    sp = sub.add_parser("info", help="arch, compiler, source root, cache dir and environment")
+    arch_opt(sp)
+    sp.set_defaults(fn=cmd_info)
+    spec_verb("render", "print the translation unit").set_defaults(fn=cmd_render)
+    spec_verb("key", "print the cache key").set_defaults(fn=cmd_key)
+    spec_verb("describe", "print the spec, entry, config and request schema as JSON").set_defaults(fn=cmd_describe)
+    spec_verb("compile", "build (or find in the cache); prints the entry directory").set_defaults(fn=cmd_compile)
+
+    sp = sub.add_parser("precompile", help="compile everything the shipped specs need for one arch")
+    sp.add_argument("--arch", help="target arch (gfx90a, gfx942, sm_90a, ...); default: MORI_JIT_ARCH, else the "
+                                   "current device, else the installed compiler's (nvcc: sm_90a, hipcc: gfx90a)")
+    sp.add_argument("-j", "--jobs", type=positive_int, default=None, help="parallel compiles (default: CPU count)")
+    sp.add_argument("--ep", action="extend", nargs="+", metavar="KEY=VALUE", default=[],
+                    help="EP op configuration to precompile variants for (see precompile_targets)")
+    sp.set_defaults(fn=cmd_precompile)
+
+    sp = sub.add_parser("cache", help="manage the cache: path | ls | verify | clear")
+    sp.add_argument("action", choices=["path", "ls", "verify", "clear"])
+    sp.add_argument("--remove", action="store_true", help="verify: delete corrupt entries")
+    sp.set_defaults(fn=cmd_cache)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad usage, 130 interrupted).
+
+    Python warnings raised while a command runs (torch warns at import when e.g. numpy is missing)
+    are held back: after success they are printed as ``mori-jit: warning:`` lines, after an error
+    only with ``MORI_JIT_VERBOSE`` >= 1, so an error stays one line.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        status, error = _run(argv)
+    if error is None or _verbose() >= 1:
+        for line in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
+            print(f"{PROG}: warning: {line}", file=sys.stderr)
+    if error is not None:
+        print(error, file=sys.stderr)
+    return status
+
+
+def _verbose() -> int:
+    try:
+        from ..jit import knobs
+        return knobs.log.verbose
+    except Exception:  # pragma: no cover - a malformed variable must not hide the real error
+        return 0
+
+
+def _run(argv: Sequence[str] | None) -> tuple[int, str | None]:
+    """Parse and run one command: (exit status, the one error line or None)."""
+    try:
+        args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+        return args.fn(args), None
+    except SystemExit as e:  # --help
+        return (e.code if isinstance(e.code, int) else (0 if e.code is None else 1)), None
+    except KeyboardInterrupt:
+        return 130, f"{PROG}: interrupted"
+    except BaseException as e:  # noqa: BLE001 - the one place errors become exit codes
+        verbose = _verbose()
+        if verbose >= 2:
+            traceback.print_exc()
+        elif verbose >= 1 and not isinstance(e, CliError):
+            print(str(e), file=sys.stderr)
+        return (2 if isinstance(e, UsageError) else 1), f"{PROG}: error: {error_line(e)}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

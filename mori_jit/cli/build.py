@@ -1,0 +1,98 @@
+"""The verbs that render, key, describe and build kernels: ``render``, ``key``, ``describe``,
+``compile``, ``precompile``."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from .common import CliError, compile_error_line, ensure_headers, fmt_s, parse_sets, spec_cfg, toolchain_for, \
+    warn_stale_headers
+
+__all__ = ["cmd_render", "cmd_key", "cmd_describe", "cmd_compile", "cmd_precompile", "precompile_targets"]
+
+
+def cmd_render(args) -> int:
+    """`mori-jit render SPEC`: print the translation unit a config renders to (no compiler needed)."""
+    spec, tc, cfg = spec_cfg(args, need_compiler=False)
+    sys.stdout.write(spec.render_source(cfg, tc))
+    return 0
+
+
+def cmd_key(args) -> int:
+    """`mori-jit key SPEC`: print the cache key of a config (the rendered text, toolchain and headers)."""
+    from ..jit.compile import resolve
+    spec, tc, cfg = spec_cfg(args)
+    warn_stale_headers()
+    print(resolve(spec, cfg, tc, fresh_include_hash=True).key)
+    return 0
+
+
+def cmd_describe(args) -> int:
+    """`mori-jit describe SPEC`: the config, entry name, geometry and request schema, as JSON."""
+    from ..jit.fields import render_cfg, request_schema
+    spec, tc, cfg = spec_cfg(args, need_compiler=False)
+    doc: dict[str, Any] = {"spec": spec.name, "arch": tc.arch, "entry": spec.entry_name(cfg),
+                           "cfg_type": type(cfg).__name__, "cfg": spec.describe(cfg),
+                           "rendered_cfg": render_cfg(cfg)}
+    g = spec.geometry(cfg)
+    doc["geometry"] = {"grid": list(g.grid), "block": list(g.block), "shared_bytes": g.shared_bytes}
+    doc["schema"] = request_schema(spec.cfg_type)
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+def cmd_compile(args) -> int:
+    """`mori-jit compile SPEC`: build one config into the cache (or find it there); print the entry's directory."""
+    from ..jit.compile import build, resolve
+    spec, tc, cfg = spec_cfg(args)
+    ensure_headers()
+    entry = build(spec, cfg, tc, resolved=resolve(spec, cfg, tc, fresh_include_hash=True))
+    print(entry.path)
+    return 0
+
+
+
+def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> list[tuple[Any, Any]]:
+    """Every ``(spec, cfg)`` that ``mori-jit precompile`` builds for ``toolchain``.
+
+    Without ``ep_request``: what each registered spec's :meth:`~mori_jit.jit.spec.Spec.precompile_cfgs`
+    names. With it (``--ep KEY=VALUE ...``: EpDispatchCombineConfig fields plus ``num_cus``): exactly
+    the EP variants a live ``hip`` op with that config compiles — the same tuning tables and Cfg
+    construction (:func:`mori_jit.ops.ep.variants.plan_requests`). Duplicates are removed by the caller.
+    """
+    from ..jit.registry import all_specs
+    if ep_request:  # exactly the variants a live op with that config compiles
+        from ..ops.ep.variants import precompile_targets as ep_targets
+        return ep_targets(ep_request, toolchain.arch)
+    return [(spec, cfg) for spec in all_specs() for cfg in spec.precompile_cfgs(toolchain)]
+
+
+def cmd_precompile(args) -> int:
+    """`mori-jit precompile`: build every shipped variant for an arch in parallel, with progress."""
+    from ..jit import cache
+    from ..jit.precompile import build_all, resolve_targets
+    tc = toolchain_for(args.arch, from_compiler=True)
+    ensure_headers()
+    todo = resolve_targets(precompile_targets(tc, parse_sets(args.ep)), tc)
+    n = len(todo)
+    print(f"precompiling {n} kernels for {tc.arch} with {tc.compiler} into {cache.cache_root()}", flush=True)
+    width = max((len(r.entry_name) for _, _, r in todo), default=0)
+    t_all = time.perf_counter()
+    counts = {"compiled": 0, "hit": 0, "FAILED": 0}
+    failed = []
+    for i, done in enumerate(build_all(todo, tc, args.jobs), 1):
+        counts[done.status] += 1
+        line = f"[{i:>{len(str(n))}}/{n}] {done.entry_name:<{width}}  {done.status:<8} {fmt_s(done.seconds)}"
+        if done.error is not None:
+            line += f"  {compile_error_line(done.error)}"
+            failed.append(done.entry_name)
+        print(line, flush=True)
+    print(f"done in {time.perf_counter() - t_all:.1f}s: {counts['compiled']} compiled, {counts['hit']} hit, "
+          f"{counts['FAILED']} failed", flush=True)
+    if failed:
+        raise CliError(f"{len(failed)} of {n} kernels failed to compile: {', '.join(failed)}")
+    return 0
+
+
