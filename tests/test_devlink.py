@@ -193,6 +193,19 @@ def test_the_settings_take_precedence_in_order(monkeypatch, tmp_path):
         NVSHMEM.locate()
 
 
+def test_info_shows_the_engine_or_why_none(fake_cc, nvshmem_home, monkeypatch, capsys):
+    from mori_jit.cli import main
+    assert main(["info", "--arch", "sm_90a"]) == 0
+    out = capsys.readouterr().out
+    assert f"nvshmem:     {nvshmem_home.resolve()} (version 9.8.7, from MORI_JIT_NVSHMEM_HOME)" in out
+    assert f"MORI_JIT_NVSHMEM_HOME={nvshmem_home}" in out  # among the variables set
+    shutil.rmtree(nvshmem_home / "lib")
+    assert main(["info", "--arch", "sm_90a"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("nvshmem:"))
+    assert "(not found: nvshmem: MORI_JIT_NVSHMEM_HOME points at" in line and str(nvshmem_home / LIB) in line
+    assert "pip install nvidia-nvshmem-cu13" in line
+
+
 @pytest.mark.parametrize("text, version", [
     ('#define NVSHMEM_VENDOR_BASE_VERSION_STRING "3.4.5"\n', "3.4.5"),
     ("#define NVSHMEM_VENDOR_MAJOR_VERSION 3\n#define NVSHMEM_VENDOR_MINOR_VERSION 2\n"
