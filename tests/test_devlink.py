@@ -4,7 +4,7 @@ A spec with device libraries is compiled with ``-rdc=true`` and device-linked wi
 into the entry's one binary; the key takes the sha256 of each archive's bytes and of the library's
 headers (other bytes, another key; the same bytes at another path, the same key); a library that is
 not installed is an error naming where it was looked for; the plan runs the library's module hook
-once per loaded module.
+once per loaded module (``tests/test_module_hooks.py``).
 """
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ import pytest
 from fake_compiler import link_output_for, output_for
 from jit_helpers import EM_CUDA, STT_FUNC, elf_header, elf_symbols, toolchain_or_skip
 from mori_jit.examples.axpy_spec import AxpyCfg, AxpySpec
-from mori_jit.jit import cache, plan as plan_mod
+from mori_jit.jit import cache
 from mori_jit.jit.args import ArgsSchema, ptr
 from mori_jit.jit.compile import CompileError, build, resolve
 from mori_jit.jit.devlib import DeviceLibraryError
 from mori_jit.jit.nvshmem import NVSHMEM, Nvshmem
-from mori_jit.jit.runtime import Runtime
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import ToolchainError, make_toolchain
 
@@ -219,98 +218,14 @@ def test_version_from_the_header(tmp_path, text, version):
     assert Nvshmem().version(tmp_path / "nowhere") == "unknown"
 
 
-# -- the module hook ------------------------------------------------------------------------------
-
-class LoadingRuntime(Runtime):
-    """Stands in for the driver: modules are numbered handles, launches do nothing."""
-
-    vendor = "nvidia"
-
-    def __init__(self):
-        self.loaded: list[bytes] = []
-
-    def load_module(self, image, device=None):
-        self.loaded.append(bytes(image))
-        return 0x1000 + len(self.loaded)
-
-    def get_function(self, module, name):
-        return (module, name)
-
-    def launch(self, fn, grid, block, shared_bytes, stream, params_ptr):
-        pass
-
-    def stream_getter(self, device):
-        return lambda: 0
-
-    def current_device(self):
-        return 0
-
-
-class HookedLibrary(Nvshmem):
-    """NVSHMEM with a recording hook in place of torch's nvshmemx_cumodule_init."""
-
-    def __init__(self, fail: bool = False):
-        self.calls: list[int] = []
-        self.fail = fail
-
-    def init_module(self, handle):
-        self.calls.append(handle)
-        if self.fail:
-            raise RuntimeError("hook failed")
-
-
-def _hooked_spec(lib):
-    return type("HookedAxpy", (AxpySpec,), {"name": "test_axpy_hooked", "device_libraries": (lib,)})()
-
-
-@pytest.fixture
-def loading_runtime(monkeypatch):
-    rt = LoadingRuntime()
-    monkeypatch.setattr(plan_mod, "get_runtime", lambda vendor: rt)
-    monkeypatch.setattr(plan_mod, "_MODULES", {})
-    monkeypatch.setattr(plan_mod, "_PLANS", {})
-    return rt
-
-
-def test_the_hook_runs_once_per_loaded_module(fake_cc, nvshmem_home, loading_runtime):
-    lib = HookedLibrary()
-    spec, tc = _hooked_spec(lib), make_toolchain("sm_90a")
-    p = plan_mod.prepare(spec, AxpyCfg(), tc, device=0)
-    assert lib.calls == [0x1001] and p.function == (0x1001, spec.entry_name(AxpyCfg()))
-    assert loading_runtime.loaded == [p.entry.read_binary()]
-    plan_mod.forget_plans()
-    plan_mod.prepare(spec, AxpyCfg(), tc, device=0)  # the module is loaded already: no second hook
-    assert lib.calls == [0x1001]
-    plan_mod.prepare(spec, AxpyCfg(blockNum=3), tc, device=0)  # another binary, another module
-    assert lib.calls == [0x1001, 0x1002]
-
-
-def test_a_failing_hook_leaves_no_module_behind(fake_cc, nvshmem_home, loading_runtime):
-    lib = HookedLibrary(fail=True)
-    spec, tc = _hooked_spec(lib), make_toolchain("sm_90a")
-    for _ in range(2):
-        with pytest.raises(RuntimeError, match="hook failed"):
-            plan_mod.prepare(spec, AxpyCfg(), tc, device=0)
-    assert lib.calls == [0x1001, 0x1002] and plan_mod._MODULES == {} and plan_mod._PLANS == {}
-
-
-def test_nvshmem_hook_goes_through_torch(monkeypatch):
-    import torch
-    c10d = torch._C._distributed_c10d
-    monkeypatch.delattr(c10d, "_nvshmemx_cumodule_init", raising=False)
-    with pytest.raises(RuntimeError, match="_nvshmemx_cumodule_init"):
-        NVSHMEM.init_module(0x1234)
-    seen = []
-    monkeypatch.setattr(c10d, "_nvshmemx_cumodule_init", seen.append, raising=False)
-    NVSHMEM.init_module(0x1234)
-    assert seen == [0x1234]
-
-
 # -- a real build ---------------------------------------------------------------------------------
 
 PROBE_SOURCE = """#include <nvshmem.h>
 struct ProbeArgs { int* out; };
-extern "C" __global__ void mori_test_nvshmem_probe(ProbeArgs a) { a.out[0] = nvshmem_my_pe(); a.out[1] = nvshmem_n_pes(); }
+extern "C" __global__ void mori_test_nvshmem_probe(ProbeArgs a) {
+    a.out[0] = nvshmem_my_pe();
+    a.out[1] = nvshmem_n_pes();
+}
 """
 
 
