@@ -7,7 +7,13 @@ at them with ``MORI_JIT_NVCC`` / ``MORI_JIT_HIPCC``). Stdlib only.
 * ``--version`` prints ``$FAKE_CC_VERSION`` (default ``fake-cc 1.0``) and exits 0.
 * Otherwise it parses ``-o OUT`` and the source (the last argument that is not an option or an
   option's value), and writes ``OUT`` = ``b"FAKEBIN\\n" + sha256(source).hex + b"\\n" + source``, so
-  the output is a function of the input and the entry symbol name appears in it.
+  the output is a function of the input and the entry symbol name appears in it. With ``-rdc=true``
+  the output is relocatable: ``FAKERDC`` in place of ``FAKEBIN`` (:func:`output_for`).
+* ``-dlink`` (nvcc's device link) takes every non-option argument as an input: relocatable objects
+  and archives (``*.a``), and writes :func:`link_output_for` of their bytes. An object built
+  without ``-rdc=true`` is refused (stricter than nvlink, which links one with nothing to resolve:
+  a kernel calling into a library compiles only as relocatable code, so such an object here means
+  the compile step lost the flag). ``FAKE_CC_LINK_FAIL=msg`` fails only this step.
 * ``FAKE_CC_FAIL=msg``: print ``msg`` on stderr and exit 1 (writes nothing).
 * ``FAKE_CC_SLEEP=seconds``: sleep that long before writing.
 * ``FAKE_CC_DIE=1``: write half of the output, then SIGKILL itself.
@@ -25,9 +31,41 @@ import time
 _WITH_VALUE = {"-o", "-x", "-I", "-D", "-include", "--offload-arch", "-gencode", "-arch", "-code"}
 
 
-def output_for(source: bytes) -> bytes:
+def output_for(source: bytes, relocatable: bool = False) -> bytes:
     """What the fake writes for ``source`` (tests recompute it to check a binary)."""
-    return b"FAKEBIN\n" + hashlib.sha256(source).hexdigest().encode() + b"\n" + source
+    return (b"FAKERDC\n" if relocatable else b"FAKEBIN\n") + hashlib.sha256(source).hexdigest().encode() + \
+        b"\n" + source
+
+
+def link_output_for(objects: list[bytes], archives: list[bytes]) -> bytes:
+    """What the fake's ``-dlink`` writes: a header, the sha256 of each archive, then the objects."""
+    return b"FAKELINKED\n" + b"".join(hashlib.sha256(a).hexdigest().encode() + b"\n" for a in archives) + \
+        b"".join(objects)
+
+
+def _dlink(inputs: list[str], out: str) -> int:
+    objects, archives = [], []
+    for path in inputs:
+        if not os.path.isfile(path):
+            print(f"fake-nvlink: error: no such file: {path}", file=sys.stderr)
+            return 2
+        with open(path, "rb") as f:
+            data = f.read()
+        if path.endswith(".a"):
+            archives.append(data)
+        elif data.startswith(b"FAKERDC\n"):
+            objects.append(data)
+        else:
+            print(f"fake-nvlink: error: {path} is not relocatable device code (compile with -rdc=true)",
+                  file=sys.stderr)
+            return 1
+    msg = os.environ.get("FAKE_CC_LINK_FAIL")
+    if msg:
+        print(msg, file=sys.stderr)
+        return 1
+    with open(out, "wb") as f:
+        f.write(link_output_for(objects, archives))
+    return 0
 
 
 def _log(argv: list[str]) -> None:
@@ -44,7 +82,8 @@ def main(argv: list[str]) -> int:
     if "--version" in argv:
         print(os.environ.get("FAKE_CC_VERSION", "fake-cc 1.0 (mori-jit tests)"))
         return 0
-    out = src = None
+    out = None
+    inputs: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -56,8 +95,11 @@ def main(argv: list[str]) -> int:
             i += 2
             continue
         if not a.startswith("-"):
-            src = a
+            inputs.append(a)
         i += 1
+    if "-dlink" in argv and out is not None and inputs:
+        return _dlink(inputs, out)
+    src = inputs[-1] if inputs else None
     if out is None or src is None:
         print("fake-cc: error: need -o OUT and a source file", file=sys.stderr)
         return 2
@@ -72,7 +114,7 @@ def main(argv: list[str]) -> int:
     if delay > 0:
         time.sleep(delay)
     with open(src, "rb") as f:
-        data = output_for(f.read())
+        data = output_for(f.read(), relocatable="-rdc=true" in argv)
     with open(out, "wb") as f:
         if os.environ.get("FAKE_CC_DIE") not in (None, "", "0"):
             f.write(data[: len(data) // 2])

@@ -2,7 +2,7 @@
 
 Verbs (``mori-jit <verb> --help`` for each)::
 
-    mori-jit info [--arch A]                      arch, compiler + signature, source root, cache, env
+    mori-jit info [--arch A]                      arch, compiler + signature, engines, source root, cache, env
     mori-jit render SPEC [--arch A] [--set k=v ...]   the translation unit
     mori-jit key SPEC [--arch A] [--set k=v ...]      the hex cache key
     mori-jit describe SPEC [--arch A] [--set k=v ...] JSON: spec, entry, cfg fields, schema

@@ -139,7 +139,7 @@ def compile_error_line(e) -> str:
     lines = [ln.strip() for ln in (e.stderr or "").splitlines() if ln.strip()]
     pick = next((ln for ln in lines if re.search(r"\berror\b", ln, re.I)), lines[-1] if lines else "(no output)")
     kept = f"source kept at {e.source_path}" if e.source_path else "MORI_JIT_KEEP_FAILED=1 keeps the source"
-    return (f"compiling {e.spec} failed (exit {e.returncode}): {pick} "
+    return (f"{e.step} {e.spec} failed (exit {e.returncode}): {pick} "
             f"[{kept}; MORI_JIT_VERBOSE=1 prints the command and the full output]")
 
 

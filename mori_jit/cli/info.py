@@ -60,9 +60,30 @@ def _compilers_lines() -> list[str]:
     return out
 
 
+def _engines_lines() -> list[str]:
+    """One line per device library (NVSHMEM, and any other a spec links): the install found (path,
+    version, where from), or why none is found and how to get it."""
+    from ..jit.devlib import DeviceLibraryError
+    from ..jit.nvshmem import NVSHMEM
+    from ..jit.registry import all_specs
+    libs = {NVSHMEM.name: NVSHMEM}
+    for spec in all_specs():
+        for lib in spec.device_libraries:
+            libs.setdefault(lib.name, lib)
+    out = []
+    for name, lib in libs.items():
+        try:
+            found = lib.locate()
+        except DeviceLibraryError as e:
+            out.append(f"{name + ':':<12} (not found: {e})")
+        else:
+            out.append(f"{name + ':':<12} {found.home} (version {found.version}, from {found.origin})")
+    return out
+
+
 def cmd_info(args) -> int:
-    """`mori-jit info`: version, arch, compiler and flags, source root, header freshness, cache,
-    specs, and the environment variables mori-jit reads."""
+    """`mori-jit info`: version, arch, compiler and flags, device libraries, source root, header
+    freshness, cache, specs, and the environment variables mori-jit reads."""
     from ..jit import cache, toolchain as tcmod
     from ..jit.codegen import stale_headers
     from ..jit.paths import SourceRootError, kernels_dir
@@ -88,6 +109,7 @@ def cmd_info(args) -> int:
             out.append("signature:")
             out += [f"    {ln}" for ln in tc.signature.rstrip().splitlines()]
     out += _compilers_lines()
+    out += _engines_lines()
     if arch is None:
         pre, pre_why = resolve_arch(None, from_compiler=True)
         out.append(f"precompile:  builds for {pre} (from {pre_why})" if pre else "precompile:  has no compiler to use")

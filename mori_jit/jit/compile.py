@@ -1,13 +1,17 @@
 """Compile one specialization into the cache (or find it there).
 
 :func:`resolve` renders the source and computes the key (no compiler run); :func:`build` returns a
-verified :class:`~mori_jit.jit.cache.Entry`, compiling on a miss. A per-key file lock (package
+verified :class:`~mori_jit.jit.cache.Entry`, compiling on a miss. A spec with device libraries
+(:mod:`mori_jit.jit.devlib`) is compiled as relocatable device code and device-linked with their
+archives into the entry's one binary; the intermediate files stay in a build directory of their
+own, so an entry holds the same three files either way. A per-key file lock (package
 ``filelock``) keeps N ranks from running N identical compiles; it is an optimisation only: on a
 lock timeout the build proceeds anyway and the atomic publish keeps the cache correct.
 
-Exception contract: a failing compiler raises :class:`CompileError` (command, stderr, kept source
-path); a missing compiler raises :class:`~mori_jit.jit.toolchain.ToolchainError`; nothing here
-exits the interpreter.
+Exception contract: a failing compiler or device linker raises :class:`CompileError` (step, command,
+stderr, kept source path); a missing compiler raises :class:`~mori_jit.jit.toolchain.ToolchainError`,
+a missing device library its subclass :class:`~mori_jit.jit.devlib.DeviceLibraryError`; nothing
+here exits the interpreter.
 """
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import filelock
 
 from . import cache, cache_builds, knobs
+from .devlib import LinkInputs, link_inputs
 from .key import cache_key, include_hash
 from .log import apply_verbosity
 from .paths import kernels_dir, source_root
@@ -35,24 +40,29 @@ __all__ = ["CompileError", "Resolved", "resolve", "build", "build_many"]
 
 
 class CompileError(RuntimeError):
-    """The device compiler failed. ``cmd``, ``stderr`` and ``source_path`` (None unless kept)."""
+    """The device compiler (or linker) failed. ``step`` (``compiling``/``linking``), ``cmd``,
+    ``stderr`` and ``source_path`` (None unless kept)."""
 
-    def __init__(self, spec: str, cmd: list[str], returncode: int, stderr: str, source_path: Path | None):
+    def __init__(self, spec: str, cmd: list[str], returncode: int, stderr: str, source_path: Path | None,
+                 step: str = "compiling"):
         self.spec, self.cmd, self.returncode, self.stderr, self.source_path = spec, cmd, returncode, stderr, source_path
+        self.step = step
         kept = f"source kept at {source_path}" if source_path else "set MORI_JIT_KEEP_FAILED=1 to keep the source"
-        super().__init__(f"compiling {spec} failed (exit {returncode}); {kept}\n"
+        super().__init__(f"{step} {spec} failed (exit {returncode}); {kept}\n"
                          f"command: {' '.join(cmd)}\n{stderr.strip()[-4000:]}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """A rendered specialization: its source, entry name, key and cache directory."""
+    """A rendered specialization: its source, entry name, key, cache directory, and what it is
+    device-linked with (None: nothing)."""
 
     spec: str
     entry_name: str
     source: str
     key: str
     path: Path
+    link: Optional[LinkInputs] = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,14 +71,17 @@ def _include_hash_cached(root: str, deps: tuple[str, ...]) -> str:
 
 
 def resolve(spec: Spec, cfg: Any, toolchain: Toolchain, *, fresh_include_hash: bool = False) -> Resolved:
-    """Render ``cfg`` and compute its key. The include hash is memoized per process unless ``fresh``."""
+    """Render ``cfg`` and compute its key. The include hash (and a device library's headers hash)
+    is memoized per process unless ``fresh``. A device library not found raises
+    :class:`~mori_jit.jit.devlib.DeviceLibraryError`."""
     root = source_root()
     deps = tuple(spec.source_deps())
     inc = include_hash(root, deps) if fresh_include_hash else _include_hash_cached(str(root), deps)
     src = spec.render_source(cfg, toolchain)
-    key = cache_key(spec.name, toolchain, inc, src)
+    link = link_inputs(spec.device_libraries, fresh=fresh_include_hash) if spec.device_libraries else None
+    key = cache_key(spec.name, toolchain, inc, src, link.key_text() if link else "")
     name = spec.entry_name(cfg)
-    return Resolved(spec.name, name, src, key, cache.entry_dir(toolchain.arch, toolchain.nic, name, key))
+    return Resolved(spec.name, name, src, key, cache.entry_dir(toolchain.arch, toolchain.nic, name, key), link)
 
 
 _logger = logging.getLogger(__name__)
@@ -80,24 +93,40 @@ def _log(msg: str, level: int = 1) -> None:
     _logger.log(_LEVELS[level], msg)
 
 
+def _run_step(res: Resolved, toolchain: Toolchain, cmd: list[str], out: Path, src: Path, cwd: Path,
+              step: str) -> None:
+    """Run one compiler command that must write ``out``; :class:`CompileError` if it does not."""
+    _log(" ".join(cmd), 2)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=toolchain.env(), cwd=cwd)
+        rc, err = p.returncode, p.stderr + p.stdout
+    except OSError as e:
+        rc, err = -1, str(e)
+    if rc != 0 or not out.is_file() or out.stat().st_size == 0:
+        kept = cache.keep_failed_source(res.entry_name, res.key, src) if knobs.cache.keep_failed else None
+        raise CompileError(res.spec, cmd, rc, err or "(no output; empty binary)", kept, step)
+
+
 def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
     src = tmp / cache.SOURCE_NAME
     src.write_text(res.source)
     binary = tmp / cache.BINARY_NAMES[toolchain.vendor]
-    cmd = toolchain.command(src, binary, [kernels_dir()])
-    _log(" ".join(cmd), 2)
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=toolchain.env(), cwd=tmp)
-        rc, err = p.returncode, p.stderr + p.stdout
-    except OSError as e:
-        rc, err = -1, str(e)
-    if rc != 0 or not binary.is_file() or binary.stat().st_size == 0:
-        kept = cache.keep_failed_source(res.entry_name, res.key, src) if knobs.cache.keep_failed else None
-        raise CompileError(res.spec, cmd, rc, err or "(no output; empty binary)", kept)
+    meta: dict[str, Any] = {}
+    if res.link is None:
+        cmd = toolchain.command(src, binary, [kernels_dir()])
+        _run_step(res, toolchain, cmd, binary, src, tmp, "compiling")
+    else:
+        with cache_builds.build_dir() as work:  # (the object and archive copies never enter the entry)
+            obj = work / "kernel.rdc.o"
+            cmd = toolchain.command(src, obj, [kernels_dir(), *res.link.include_dirs], relocatable=True)
+            _run_step(res, toolchain, cmd, obj, src, work, "compiling")
+            link_cmd = toolchain.link_command([obj, *res.link.stage(work)], binary)
+            _run_step(res, toolchain, link_cmd, binary, src, work, "linking")
+        meta = {"link_command": link_cmd, "linked": res.link.describe()}
     meta = {"spec": res.spec, "entry": res.entry_name, "key": res.key, "arch": toolchain.arch,
             "nic": toolchain.nic, "binary": binary.name, "binary_sha256": cache.sha256_file(binary),
-            "command": cmd, "compile_s": round(time.perf_counter() - t0, 3)}
+            "command": cmd, **meta, "compile_s": round(time.perf_counter() - t0, 3)}
     (tmp / cache.META_NAME).write_text(json.dumps(meta, indent=1))
 
 

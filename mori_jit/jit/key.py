@@ -1,9 +1,12 @@
 """The cache key: sha256 over everything that can change the binary, and nothing else.
 
-``key = sha256(spec name, compiler signature, NIC, flags, include hash, source text)``. The include
-hash walks the spec's source-dependency directories in sorted order over each file's path
+``key = sha256(spec name, compiler signature, NIC, flags, include hash, source text[, link text])``.
+The include hash walks the spec's source-dependency directories in sorted order over each file's path
 *relative to the source root* and its bytes: coarse on purpose (it may over-invalidate, never
-under-invalidate), and independent of where the tree lives.
+under-invalidate), and independent of where the tree lives. A spec with device libraries adds the
+link text (:meth:`~mori_jit.jit.devlib.LinkInputs.key_text`: the sha256 of each linked archive's
+bytes and of the library's headers); the key of a spec without any is what it was before linking
+existed.
 """
 from __future__ import annotations
 
@@ -38,9 +41,9 @@ def include_hash(root: Path, deps: Iterable[str]) -> str:
     return h.hexdigest()
 
 
-def cache_key(spec_name: str, toolchain: Toolchain, inc_hash: str, source: str) -> str:
-    """The hex key of one specialization."""
+def cache_key(spec_name: str, toolchain: Toolchain, inc_hash: str, source: str, link_text: str = "") -> str:
+    """The hex key of one specialization (``link_text``: what it is device-linked with, if anything)."""
     h = hashlib.sha256()
-    for part in (spec_name, *toolchain.key_parts(), inc_hash, source):
+    for part in (spec_name, *toolchain.key_parts(), inc_hash, source, *([link_text] if link_text else [])):
         h.update(part.encode() + _SEP)
     return h.hexdigest()

@@ -25,7 +25,8 @@ from typing import Any, Generic, Optional, TypeVar
 
 __all__ = ["Setting", "StrSetting", "BoolSetting", "LevelSetting", "PositiveFloatSetting", "IntListSetting",
            "PathSetting", "FlagsSetting", "NameSetting", "PrefixSetting", "Group", "all_groups", "all_settings",
-           "CompilerKnobs", "SourceKnobs", "CacheKnobs", "LogKnobs", "compiler", "source", "cache", "log"]
+           "CompilerKnobs", "SourceKnobs", "CacheKnobs", "LogKnobs", "EngineKnobs", "compiler", "source", "cache",
+           "log", "engine"]
 
 T = TypeVar("T")
 
@@ -257,10 +258,24 @@ class LogKnobs(Group):
                                                   "compile commands, cache hits, and the CLI's tracebacks)")
 
 
+class EngineKnobs(Group):
+    """Where the device libraries (communication engines) that kernels are device-linked against live."""
+
+    name = "engine"
+    nvshmem_home = PathSetting("MORI_JIT_NVSHMEM_HOME", None,
+                               "the NVSHMEM install (include/, lib/libnvshmem_device.a) that kernels calling "
+                               "NVSHMEM are device-linked against; wins over NVSHMEM_HOME",
+                               default_doc="NVSHMEM_HOME, else the installed nvidia-nvshmem-cu13 package")
+    nvshmem_home_fallback = PathSetting("NVSHMEM_HOME", None,
+                                        "NVSHMEM's own install variable, used when MORI_JIT_NVSHMEM_HOME is unset",
+                                        default_doc="the installed nvidia-nvshmem-cu13 package")
+
+
 compiler = CompilerKnobs()
 source = SourceKnobs()
 cache = CacheKnobs()
 log = LogKnobs()
+engine = EngineKnobs()
 
 
 def all_groups() -> list[Group]:

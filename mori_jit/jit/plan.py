@@ -3,7 +3,8 @@
 Two separate steps (docs/design.md §5):
 
 * :func:`prepare` (``Plan.prepare``) — compile through the cache (:func:`mori_jit.jit.compile.build`),
-  load the module (an in-process cache keyed by ``(device, entry directory)``) and look the kernel
+  load the module (an in-process cache keyed by ``(device, entry directory)``), run the spec's
+  module hooks on it once (:meth:`~mori_jit.jit.spec.Spec.module_init_hooks`) and look the kernel
   up by the same ``spec.entry_name(cfg)`` string that was rendered into the source. A repeat
   ``prepare`` with the same ``(spec.name, cfg, toolchain, device)`` is one dict lookup.
 * :meth:`Plan.launch` — pack the args struct and enqueue the kernel on torch's current stream.
@@ -20,7 +21,7 @@ stream is capturing a graph (nothing is compiled or loaded then);
 :class:`~mori_jit.jit.compile.CompileError` / :class:`~mori_jit.jit.toolchain.ToolchainError`
 from the build; :class:`~mori_jit.jit.runtime.DriverError` from loading or symbol lookup;
 ``ValueError`` for a geometry the kernel cannot run with; ``RuntimeError`` if the cached entry
-names a different kernel than ``spec.entry_name(cfg)``.
+names a different kernel than ``spec.entry_name(cfg)``; whatever a module hook raises.
 
 ``launch``: ``TypeError`` for unknown or missing field names (the message lists the valid ones),
 for a value of the wrong type, or for a struct of another layout; ``ValueError`` for an
@@ -214,7 +215,11 @@ def _prepare_miss(spec: Spec, cfg: Any, tc: Toolchain, dev: int, key: tuple) -> 
         mkey = (dev, str(entry.path))
         module = _MODULES.get(mkey)
         if module is None:
-            module = _MODULES[mkey] = rt.load_module(entry.read_binary(), dev)
+            module = rt.load_module(entry.read_binary(), dev)
+            hooks = spec.module_init_hooks()
+            if hooks:  # once per loaded module; a failed hook leaves it unused, the next prepare reloads
+                rt.init_module(module, dev, hooks)
+            _MODULES[mkey] = module
         fn = rt.get_function(module, name)
         geom = spec.geometry(cfg)
         rt.configure(fn, as_dim3(geom.block), int(geom.shared_bytes), dev)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jinja2
 
 from .args import ArgsSchema
+from .devlib import DeviceLibrary
 from .fields import apply_request, describe, render_cfg
 from .paths import templates_dir
 from .toolchain import Toolchain
@@ -64,6 +65,9 @@ class Spec(abc.ABC):
     template: str = ""
     #: directories under the source root whose files are hashed into the key
     deps: tuple[str, ...] = ("kernels",)
+    #: device libraries the kernel is device-linked against (their headers are on the include path,
+    #: their archives and headers enter the key, their hooks run on each loaded module)
+    device_libraries: tuple[DeviceLibrary, ...] = ()
 
     def default_cfg(self, toolchain: Toolchain) -> Any:
         """The config used when a request sets nothing (arch-dependent defaults go here)."""
@@ -92,6 +96,11 @@ class Spec(abc.ABC):
     def source_deps(self) -> tuple[str, ...]:
         """Directories under the source root whose files' contents enter the cache key."""
         return self.deps
+
+    def module_init_hooks(self) -> tuple[Callable[[int], None], ...]:
+        """What runs on each module loaded from this spec's binary, in order, given the driver's
+        module handle (default: each device library's :meth:`~mori_jit.jit.devlib.DeviceLibrary.init_module`)."""
+        return tuple(lib.init_module for lib in self.device_libraries)
 
     def describe(self, cfg: Any) -> dict[str, Any]:
         """``cfg`` as a JSON-able dict (``mori-jit describe``)."""

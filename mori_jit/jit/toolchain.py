@@ -1,7 +1,9 @@
 """Toolchains: which compiler builds for which arch, with which flags, and its exact signature.
 
 ``gfx*`` → ``hipcc --genco --offload-arch=<arch> -std=c++20`` with ``HIP_PLATFORM=amd`` (code
-object); ``sm_*`` → ``nvcc --cubin -gencode=arch=compute_XX,code=sm_XX -std=c++20`` (cubin). The
+object); ``sm_*`` → ``nvcc --cubin -gencode=arch=compute_XX,code=sm_XX -std=c++20`` (cubin). A
+kernel with device libraries is compiled with ``-rdc=true`` and device-linked by
+``nvcc -dlink --cubin`` into one cubin (:meth:`Toolchain.link_command`; NVIDIA only). The
 compiler signature is the compiler's full ``--version`` output; it, the flags and the NIC enter the
 cache key.
 
@@ -83,15 +85,34 @@ class Toolchain:
         """What of the toolchain enters the cache key: compiler signature, NIC, flags."""
         return [self.signature, self.nic, " ".join(self.flags)]
 
-    def command(self, src: Path, out: Path, include_dirs: list[Path]) -> list[str]:
-        """The full compile command for ``src`` → ``out``."""
+    def command(self, src: Path, out: Path, include_dirs: list[Path], *, relocatable: bool = False) -> list[str]:
+        """The full compile command for ``src`` → ``out``; ``relocatable``: relocatable device code,
+        to be device-linked (:meth:`link_command`)."""
         inc = [f"-I{d}" for d in include_dirs]
         if self.vendor == "amd":
+            if relocatable:
+                self._no_device_link()
             return [self.compiler, "--genco", f"--offload-arch={self.arch}", "-std=c++20", *self.flags,
                     *inc, "-o", str(out), str(src)]
-        cc = self.arch[3:]
-        return [self.compiler, "--cubin", "-x", "cu", f"-gencode=arch=compute_{cc},code={self.arch}",
+        rdc = ["-rdc=true"] if relocatable else []
+        return [self.compiler, "--cubin", *rdc, "-x", "cu", f"-gencode=arch=compute_{self.arch[3:]},code={self.arch}",
                 "-std=c++20", *self.flags, *inc, "-o", str(out), str(src)]
+
+    def link_command(self, inputs: list[Path], out: Path) -> list[str]:
+        """The device-link command: relocatable objects and archives ``inputs`` → one cubin ``out``.
+
+        ``nvcc -dlink --cubin`` rather than calling ``nvlink`` itself: it runs the nvlink of the
+        same toolkit as the compile (so the compiler signature in the key covers the linker too),
+        needs no second tool to find or configure, and adds the toolkit's device runtime library.
+        """
+        if self.vendor == "amd":
+            self._no_device_link()
+        return [self.compiler, "-dlink", "--cubin", f"-gencode=arch=compute_{self.arch[3:]},code={self.arch}",
+                *map(str, inputs), "-o", str(out)]
+
+    def _no_device_link(self) -> None:
+        raise ToolchainError(f"device linking (a spec's device_libraries) is built for NVIDIA arches only, "
+                             f"not {self.arch}")
 
     def env(self) -> dict[str, str]:
         """Environment for the compiler subprocess (``HIP_PLATFORM=amd`` so hipcc never picks nvcc)."""

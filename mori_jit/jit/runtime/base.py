@@ -5,6 +5,8 @@ A :class:`Runtime` is the only place that talks to the vendor driver. It is deli
 * :meth:`Runtime.load_module` — a code object / cubin (``bytes``) → module handle, loaded into the
   primary context of ``device``;
 * :meth:`Runtime.get_function` — module + kernel symbol → function handle;
+* :meth:`Runtime.init_module` — run a spec's module hooks (a device library's init, such as
+  ``nvshmemx_cumodule_init``) on a freshly loaded module, with its device current;
 * :meth:`Runtime.launch` — function, grid, block, dynamic shared bytes, raw stream handle (``int``)
   and ``params_ptr``: the address of a ``void*[1]`` array whose only element points to the packed
   args struct (every mori-jit kernel takes ONE by-value struct argument);
@@ -123,6 +125,17 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def get_function(self, module: Any, name: str) -> Any:
         """The kernel ``name`` (the exact ``extern "C"`` symbol) of ``module``; a missing one raises."""
+
+    def module_handle(self, module: Any) -> int:
+        """The driver's handle of ``module`` as an int (what a module hook is given)."""
+        return int(module)
+
+    def init_module(self, module: Any, device: int, hooks: Sequence[Callable[[int], None]]) -> None:
+        """Run each of ``hooks`` on ``module``'s handle, in order (a vendor runtime makes ``device``
+        current around them). Whatever a hook raises propagates."""
+        handle = self.module_handle(module)
+        for hook in hooks:
+            hook(handle)
 
     @abc.abstractmethod
     def launch(self, fn: Any, grid: Sequence[int], block: Sequence[int], shared_bytes: int, stream: int,

@@ -96,6 +96,10 @@ class CudaRuntime(Runtime):
             raise DriverError("cuModuleLoadData", int(r[0]), _err_name(r[0]), hint)
         return r[1]
 
+    def init_module(self, module: Any, device: int, hooks: Sequence[Callable[[int], None]]) -> None:
+        with self._in_context(int(device)):  # (nvshmemx_cumodule_init works on the current context)
+            super().init_module(module, device, hooks)
+
     def get_function(self, module: Any, name: str) -> Any:
         r = _drv.cuModuleGetFunction(module, name.encode())
         if r[0] != _SUCCESS:

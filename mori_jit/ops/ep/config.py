@@ -15,7 +15,8 @@ from . import knobs
 
 from .peers import SYMM_MEMORY_KINDS
 
-__all__ = ["EpDispatchCombineConfig", "DISPATCH_DTYPES", "COMBINE_DTYPES", "BACKENDS", "DEFAULT_BACKEND"]
+__all__ = ["EpDispatchCombineConfig", "DISPATCH_DTYPES", "COMBINE_DTYPES", "BACKENDS", "DEFAULT_BACKEND",
+           "INTERNODE_KERNELS"]
 
 #: dtypes each leg can carry (fp8/fp4 are moved as bytes; only bf16/fp32 can be summed)
 DISPATCH_DTYPES = tuple(t for t in (torch.bfloat16, torch.float32, getattr(torch, "float8_e4m3fn", None),
@@ -24,6 +25,9 @@ DISPATCH_DTYPES = tuple(t for t in (torch.bfloat16, torch.float32, getattr(torch
 COMBINE_DTYPES = (torch.bfloat16, torch.float32)
 BACKENDS = ("hip", "torch")
 DEFAULT_BACKEND = "hip"
+#: the internode kernel families: ``v2`` (throughput, hierarchical), ``v2_ll`` (low latency), or
+#: ``auto`` (both built; each launch picks by its token count)
+INTERNODE_KERNELS = ("auto", "v2", "v2_ll")
 
 
 #: Field metadata of what may differ between the ranks of one op: the rank, and the geometry (each
@@ -61,6 +65,10 @@ class EpDispatchCombineConfig:
     ``symm_memory``: what backs the symmetric arena: ``"torch"`` (torch symmetric memory),
     ``"ipc"`` (CUDA/HIP IPC handles of a plain allocation, one host), or ``"auto"``: torch unless
     ranks share a device (which torch symmetric memory refuses) or it is unusable, then ipc.
+    ``internode_kernel`` (when ``is_internode``): ``"v2"`` (throughput: a token crosses the network
+    once per destination node and is forwarded inside it), ``"v2_ll"`` (low latency: straight to
+    every destination rank), or ``"auto"``: both are built and a launch of at most
+    ``internode_auto_ll_max_tokens`` tokens takes ``v2_ll``, a larger one ``v2``.
     """
 
     rank: int = dataclasses.field(metadata=PER_RANK)
@@ -86,6 +94,8 @@ class EpDispatchCombineConfig:
     kernel_backend: Optional[str] = None
     combine_low_latency: Optional[bool] = None
     symm_memory: str = "auto"
+    internode_kernel: str = "auto"
+    internode_auto_ll_max_tokens: int = 512
 
     def __post_init__(self):
         _int("world_size", self.world_size, 1)
@@ -118,6 +128,10 @@ class EpDispatchCombineConfig:
                              f"{self.world_size * self.max_num_inp_token_per_rank} (the worst case)")
         if self.symm_memory not in SYMM_MEMORY_KINDS:
             raise ValueError(f"EpDispatchCombineConfig.symm_memory={self.symm_memory!r}: allowed {SYMM_MEMORY_KINDS}")
+        if self.internode_kernel not in INTERNODE_KERNELS:
+            raise ValueError(f"EpDispatchCombineConfig.internode_kernel={self.internode_kernel!r}: allowed "
+                             f"{INTERNODE_KERNELS}")
+        _int("internode_auto_ll_max_tokens", self.internode_auto_ll_max_tokens, 1)
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
             raise ValueError(f"EpDispatchCombineConfig.kernel_backend={self.kernel_backend!r}: allowed {BACKENDS}")
         if self.schedule is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from typing import Optional
 
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
@@ -18,21 +19,37 @@ from .schedule import Schedule
 from .tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
-           "config_from_strings", "precompile_targets", "hip_gaps"]
+           "config_from_strings", "precompile_targets", "hip_gaps", "internode_gap"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
 DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
                    "gfx942": 304, "gfx950": 256}
 
 
-def hip_gaps(cfg: EpDispatchCombineConfig) -> list[str]:
-    """What the ``hip`` op's kernels cannot do for ``cfg`` (empty = they can); the live op adds the
-    device check, ``mori-jit precompile --ep`` refuses the same configs."""
+def internode_gap(cfg: EpDispatchCombineConfig, arch: str | None = None) -> str:
+    """Why the ``hip`` op cannot run ``cfg`` across nodes on ``arch`` (None: the GPUs of this torch
+    build). AMD has no device-side SHMEM engine here (rocSHMEM / mori-shmem), and that is said by name."""
+    where = f"internode (gpu_per_node={cfg.gpu_per_node} < world_size={cfg.world_size})"
+    if arch is not None:
+        amd = vendor_of(arch) == "amd"
+    else:
+        import torch
+        amd = bool(getattr(torch.version, "hip", None))
+    if amd:
+        return (f"{where} on {arch or 'AMD GPUs'}: internode kernels run on a device-side SHMEM engine, and "
+                f"AMD's (rocSHMEM, mori-shmem) is not available to mori-jit; NVSHMEM is NVIDIA-only")
+    return f"{where}: internode kernels not built yet"
+
+
+def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]:
+    """What the ``hip`` op's kernels cannot do for ``cfg`` on ``arch`` (None: this torch build's
+    GPUs) (empty = they can); the live op adds the device check, ``mori-jit precompile --ep``
+    refuses the same configs."""
     missing = gather_unquantized_gaps(cfg)
     if cfg.scale_dim or cfg.scale_type_size:
         missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
     if cfg.is_internode:
-        missing.append(f"internode (gpu_per_node={cfg.gpu_per_node} < world_size={cfg.world_size})")
+        missing.append(internode_gap(cfg, arch))
     if cfg.world_size > EP_MAX_PEERS:
         missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS}")
     return missing
@@ -187,6 +204,10 @@ def _dtype_from_string(value: str):
             EpDType.Fp4x2: getattr(torch, "float4_e2m1fn_x2", torch.uint8)}[tag]
 
 
+#: a string field's annotation, as text (postponed annotations) or as the type
+_STR_TYPES = ("str", "Optional[str]", str, Optional[str])
+
+
 def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfig, int | None]:
     """An op config from ``KEY=VALUE`` strings (``mori-jit precompile --ep``), and ``num_cus`` if given.
 
@@ -206,7 +227,7 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
                 raise ConfigError(f"unknown EP config field {key!r}; valid: num_cus, {', '.join(fields)}")
             elif key.endswith("data_type"):
                 kwargs[key] = _dtype_from_string(raw)
-            elif key in ("combine_mode", "quant_type", "kernel_backend"):
+            elif fields[key].type in _STR_TYPES:
                 kwargs[key] = raw
             elif key == "combine_low_latency":
                 flags = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
@@ -231,7 +252,7 @@ def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
     """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op. A
     config the live op refuses (:func:`hip_gaps`) is refused here too."""
     cfg, num_cus = config_from_strings(request)
-    gaps = hip_gaps(cfg)
+    gaps = hip_gaps(cfg, arch)
     if gaps:
         raise ConfigError(f"--ep: the hip op does not support: {'; '.join(gaps)}")
     if num_cus is None:
