@@ -89,4 +89,4 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
                          capabilities=frozenset({"scales", "gloo", "nccl", "host_collectives"}),
-                         replay=replay, combine_expert_major=combine_expert_major if cfg.expert_capacity else None)
+                         replay=replay, combine_expert_major=combine_expert_major)
