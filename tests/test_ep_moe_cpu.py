@@ -1,4 +1,5 @@
-"""CPU tests of the EP op's MoE features on the torch backend (gloo, 2 and 4 ranks): per-token scales,
+"""CPU tests of the EP op's MoE features on the torch backend (gloo, 2 and 4 ranks; the jobs are
+device-generic: ``test_gpu_ep_moe.py`` runs them on NCCL): per-token scales,
 in-op fp8 block quantization, int64 ids, local expert counts, the expert-major layout and its
 combine, routing replay. Every result is checked against the independent golden checks
 (``golden.py``, ``golden_moe.py``), computed from the inputs of every rank."""
@@ -46,12 +47,14 @@ def _calls(rank, ws):
             (M - 2 * rank - 1, 0.0, ws - 1, True), (7 + rank, 0.2, None, False), (0, 0.0, None, True)]
 
 
-def _scales(cfg, n, gen):
+def _scales(cfg, n, gen, device):
     if not cfg.scale_dim or cfg.quant_type:
         return None
     if cfg.scale_type_size == 1:
-        return torch.randint(100, 150, (n, cfg.scale_dim), generator=gen, dtype=torch.int32).to(torch.uint8).view(E8M0)
-    return torch.rand(n, cfg.scale_dim, generator=gen) + 0.5
+        s = torch.randint(100, 150, (n, cfg.scale_dim), generator=gen, dtype=torch.int32).to(torch.uint8).view(E8M0)
+    else:
+        s = torch.rand(n, cfg.scale_dim, generator=gen) + 0.5
+    return s.to(device)
 
 
 def _received(cfg, x, s):
@@ -70,19 +73,19 @@ def _check_expert_major_combine(op, res, xv, w, idx, rank, ws):
     """Experts e(v) = (global id + 1) * v, weighted on the expert side; the padding is NaN. Compares
     with the dense sum over this rank's own tokens, within the bound of one bf16 rounding per entry
     and one at the end."""
-    cfg, lay = op.cfg, res.expert
+    cfg, lay, dev = op.cfg, res.expert, op.device
     E, C = cfg.num_experts_per_rank, cfg.expert_capacity
     vals = _values(lay.x, lay.scales, bool(cfg.quant_type))
-    lw = lay.weights if lay.weights is not None else torch.ones(E, C)
-    gid = rank * E + torch.arange(E, dtype=torch.float32)
+    lw = lay.weights if lay.weights is not None else torch.ones(E, C, device=dev)
+    gid = rank * E + torch.arange(E, dtype=torch.float32, device=dev)
     expert_out = (lw[..., None] * (gid[:, None, None] + 1) * vals).to(torch.bfloat16)
-    valid = torch.arange(C)[None, :] < res.expert_counts[:, None]
+    valid = torch.arange(C, device=dev)[None, :] < res.expert_counts[:, None]
     expert_out[~valid] = float("nan")
-    y = torch.full((xv.shape[0], H), float("nan"), dtype=torch.bfloat16)
+    y = torch.full((xv.shape[0], H), float("nan"), dtype=torch.bfloat16, device=dev)
     assert op.combine_expert_major(expert_out, routing=res.routing, out=y) is y
     ids = idx.long()
     ok = (ids >= 0) & (ids < cfg.num_experts)
-    ww = (w if w is not None else torch.ones(ids.shape)) * ok * (ids + 1).clamp(min=0)
+    ww = (w if w is not None else torch.ones(ids.shape, device=dev)) * ok * (ids + 1).clamp(min=0)
     terms = ww[:, :, None] * xv[:, None, :]  # [n, k, H]
     want = terms.sum(1)
     bound = terms.abs().sum(1) * 2.0 ** -7 + want.abs() * 2.0 ** -8 + 1e-6
@@ -92,11 +95,11 @@ def _check_expert_major_combine(op, res, xv, w, idx, rank, ws):
 
 def _replay_refusals(op, other, res, x, w, s, rank):
     """Every rank passes the same kind of bad replay, so every rank raises (nothing is exchanged)."""
-    n = x.shape[0]
+    n, dev = x.shape[0], op.device
     m = n + 1 if n < M else n - 1
     with pytest.raises(ValueError, match=f"routing was made for {n}"):
-        op.dispatch(torch.zeros(m, H, dtype=x.dtype), None, None if s is None else torch.zeros(m, s.shape[1]).to(
-            s.dtype), None, routing=res.routing)
+        op.dispatch(torch.zeros(m, H, dtype=x.dtype, device=dev), None,
+                    None if s is None else torch.zeros(m, s.shape[1], device=dev).to(s.dtype), None, routing=res.routing)
     with pytest.raises(ValueError, match="another op's or an earlier dispatch's"):
         op.dispatch(x, w, s, None, routing=other)
     with pytest.raises(ValueError, match=r"input: expected shape"):
@@ -116,10 +119,11 @@ def _features_job(rank, ws):
 
 
 def _one_call(op, other, cfg, rank, ws, gen, n, drop, to, with_w):
-    x, w, idx = make_inputs(rank, n, H, K, cfg.num_experts, cfg.input_dtype, "cpu", gen, drop_frac=drop,
+    dev = op.device
+    x, w, idx = make_inputs(rank, n, H, K, cfg.num_experts, cfg.input_dtype, dev, gen, drop_frac=drop,
                             all_to_rank=to, world_size=ws, index_dtype=cfg.index_dtype)
     w = w if with_w else None
-    s = _scales(cfg, n, gen)
+    s = _scales(cfg, n, gen, dev)
     res = op.dispatch(x, w, s, idx, return_result=True)
     assert isinstance(res, EpDispatchResult) and res.out_indices.dtype == cfg.index_dtype
     assert res.out.shape == (cfg.recv_capacity, H) and res.out.dtype == cfg.dispatch_dtype
@@ -127,7 +131,7 @@ def _one_call(op, other, cfg, rank, ws, gen, n, drop, to, with_w):
         assert res.out_scales.shape == (cfg.recv_capacity, cfg.scale_dim)
         assert res.out_scales.element_size() == cfg.scale_type_size
     xq, sq = _received(cfg, x, s)
-    wg = w if w is not None else torch.zeros(n, K)
+    wg = w if w is not None else torch.zeros(n, K, device=dev)
     golden_check(op.group, rank, ws, M, EPR, xq, wg, idx, res.out, res.out_weights, res.out_indices,
                  res.total_recv, res.routing.recv_src, None, None, scales=sq, out_scales=res.out_scales)
     golden_check_experts(op.group, rank, ws, M, EPR, xq, w, idx, res.expert_counts, res.expert, scales=sq,
@@ -145,8 +149,8 @@ def _one_call(op, other, cfg, rank, ws, gen, n, drop, to, with_w):
         return
     # ---- replay: a new payload lands where the first one did --------------------------------------
     before = [t.clone() for t in (res.routing.recv_src, res.out_indices, res.expert_counts, *res.expert[3:])]
-    x2, w2, _ = make_inputs(rank, n, H, K, cfg.num_experts, cfg.input_dtype, "cpu", gen)
-    s2 = _scales(cfg, n, gen)
+    x2, w2, _ = make_inputs(rank, n, H, K, cfg.num_experts, cfg.input_dtype, dev, gen)
+    s2 = _scales(cfg, n, gen, dev)
     res2 = op.dispatch(x2, w2, s2, None, routing=res.routing, return_result=True)
     assert res2.routing is res.routing and int(res2.total_recv) == int(res.total_recv)
     after = (res.routing.recv_src, res2.out_indices, res2.expert_counts, *res2.expert[3:])

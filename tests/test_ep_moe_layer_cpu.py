@@ -1,6 +1,7 @@
 """The worked MoE block (``mori_jit.ops.ep.moe``) on the torch backend (gloo, 2 and 4 ranks) against the
 same block run densely on one process, for bf16 rows, fp8 rows the op casts, and fp8 rows with the
-block's own UE8M0 scales; and its expert step, free of host syncs."""
+block's own UE8M0 scales; and its expert step, free of host syncs. (The jobs are device-generic:
+``test_gpu_ep_moe.py`` runs them on NCCL.)"""
 from __future__ import annotations
 
 import pytest
@@ -58,13 +59,14 @@ def _layer_job(rank, ws, mode):
     mine = slice(rank * EPR, (rank + 1) * EPR)
     gen = torch.Generator().manual_seed(77 + rank)
     with EpDispatchCombineOp(cfg) as op:
-        block = MoeBlock(op, gate, MoeExperts(w_up[mine].contiguous(), w_down[mine].contiguous()))
+        dev = op.device
+        block = MoeBlock(op, gate.to(dev), MoeExperts(w_up[mine].to(dev), w_down[mine].to(dev)))
         for call, n in enumerate([M, [0, 5, 11, 3][rank % 4], M - rank, 1, 9]):  # changes every call
             x = (torch.randn(n, H, generator=gen) * 2).to(torch.bfloat16)
             weights, ids = route(x, gate, K)
             if call == 3:  # every token to the last rank's experts: the other ranks' experts get nothing
                 ids = (ws - 1) * EPR + torch.stack([torch.randperm(EPR, generator=gen)[:K] for _ in range(n)])
-            y = block(x, (weights, ids))
+            y = block(x.to(dev), (weights.to(dev), ids.to(dev))).cpu()
             want = _dense(x, weights, ids, w_up, w_down, sts)
             assert y.shape == (n, H) and y.dtype == torch.bfloat16
             err = (y.float() - want).abs()
