@@ -233,7 +233,8 @@ class EpDispatchCombineOp(abc.ABC):
             routing: replay (``cfg.routing_replay``): the routing of this op's latest dispatch; the new
                 payload (``input``, ``weights``, ``scales`` of the same n tokens) lands at the same
                 receive rows and expert-major entries, and no slot is claimed again. The replay's
-                outputs may occupy the buffers of the dispatch it replays (the ``hip`` backend's do):
+                outputs may occupy the buffers of the dispatch it replays (a backend whose outputs
+                are views of one receive buffer, as the ``hip`` backend's are, overwrites them):
                 read that payload first. The routing stays valid for ``combine``.
             return_routing: also return the routing (what ``combine`` takes).
             return_result: return an :class:`~mori_jit.ops.ep.results.EpDispatchResult` (every
