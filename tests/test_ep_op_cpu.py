@@ -95,14 +95,23 @@ def test_torch_backend_golden(ws):
 
 
 def _gate_job(rank, ws):
-    cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=64, max_num_inp_token_per_rank=8,
+    cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=256, max_num_inp_token_per_rank=8,
                                   num_experts_per_rank=4, num_experts_per_token=2, combine_mode="scatter",
-                                  quant_type="fp8_blockwise", scale_dim=4, scale_type_size=4, kernel_backend="hip")
+                                  quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
+                                  combine_data_type=torch.bfloat16, scale_dim=2, scale_type_size=4,
+                                  index_dtype=torch.int64, expert_counts=True, expert_capacity=16,
+                                  routing_replay=True, kernel_backend="hip")
     with pytest.raises(EpUnsupportedError) as e:
         EpDispatchCombineOp(cfg)
     msg = str(e.value)
-    for what in ("combine_mode='scatter'", "quant_type='fp8_blockwise'", "per-token scales"):
+    for what in ("combine_mode='scatter'", "quant_type='fp8_e4m3_block128'", "per-token scales",
+                 "index_dtype=torch.int64", "expert_counts=True", "expert_capacity=16 (the expert-major layout)",
+                 "routing_replay=True"):
         assert what in msg, msg
+    # the torch backend serves every MoE feature of that config: only the scatter combine is missing
+    with pytest.raises(EpUnsupportedError) as e:
+        EpDispatchCombineOp(dataclasses.replace(cfg, kernel_backend="torch"))
+    assert str(e.value) == "backend EpDispatchCombineOpTorch does not support: combine_mode='scatter' (only 'gather')"
     with pytest.raises(EpUnsupportedError, match="combine_mode"):
         EpDispatchCombineOp(EpDispatchCombineConfig(
             rank=0, world_size=1, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=4,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import socket
 import sys
@@ -58,6 +59,10 @@ def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, a
         errors.put((time.time(), rank, traceback.format_exc()[-6000:]))
         # Tearing an NCCL group down while a peer is inside a collective hangs; exit at once.
         os._exit(1)
+    # What of the job is left in reference cycles (an op kept alive by a caught exception's
+    # traceback) may hold the process group; collected at interpreter exit, after the group is
+    # destroyed, it intermittently aborts the worker (std::terminate) although the job passed.
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -10,7 +10,8 @@ import importlib
 
 #: Each public name and the module that defines it.
 _MODULE_OF = {"EpDispatchCombineConfig": ".config", "EpDispatchCombineOp": ".op", "EpDeviceError": ".op",
-              "EpUnsupportedError": ".op", "EpPeerError": ".op", "KernelSet": ".op"}
+              "EpUnsupportedError": ".op", "EpPeerError": ".op", "KernelSet": ".op",
+              "EpDispatchResult": ".results", "EpExpertLayout": ".results", "EpCapacityError": ".results"}
 
 __all__ = list(_MODULE_OF)
 

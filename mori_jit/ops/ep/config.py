@@ -13,7 +13,9 @@ import torch
 
 from . import knobs
 
+from .config_moe import moe_field_errors
 from .peers import SYMM_MEMORY_KINDS
+from .quant import quant_spec
 
 __all__ = ["EpDispatchCombineConfig", "DISPATCH_DTYPES", "COMBINE_DTYPES", "BACKENDS", "DEFAULT_BACKEND",
            "INTERNODE_KERNELS"]
@@ -69,6 +71,11 @@ class EpDispatchCombineConfig:
     once per destination node and is forwarded inside it), ``"v2_ll"`` (low latency: straight to
     every destination rank), or ``"auto"``: both are built and a launch of at most
     ``internode_auto_ll_max_tokens`` tokens takes ``v2_ll``, a larger one ``v2``.
+    What a MoE layer asks around the transfer (docs/design.md §6, "MoE outputs"): ``scale_dim``/
+    ``scale_type_size`` per-token scales (bytes per scale), ``quant_type`` in-op quantization
+    (:mod:`.quant`), ``index_dtype`` the expert ids' dtype (int32 or int64), ``expert_counts``
+    received pairs per local expert, ``expert_capacity`` the expert-major layout's rows per local
+    expert (0 = none), ``routing_replay`` ``dispatch(routing=)``. Their rules: :mod:`.config_moe`.
     """
 
     rank: int = dataclasses.field(metadata=PER_RANK)
@@ -96,6 +103,10 @@ class EpDispatchCombineConfig:
     symm_memory: str = "auto"
     internode_kernel: str = "auto"
     internode_auto_ll_max_tokens: int = 512
+    index_dtype: torch.dtype = torch.int32
+    expert_counts: bool = False
+    expert_capacity: int = 0
+    routing_replay: bool = False
 
     def __post_init__(self):
         _int("world_size", self.world_size, 1)
@@ -140,6 +151,9 @@ class EpDispatchCombineConfig:
                         not (b[0] is None or (isinstance(b[0], int) and b[0] >= 1)):
                     raise ValueError(f"EpDispatchCombineConfig.schedule bucket {b!r}: expected "
                                      f"(max_tokens|None, disp_blocks, disp_warps, comb_blocks, comb_warps), ints >= 1")
+        moe_errors = moe_field_errors(self)
+        if moe_errors:
+            raise ValueError("; ".join(f"EpDispatchCombineConfig.{e}" for e in moe_errors))
         _check_kernel_rules(self)
 
     @property
@@ -151,6 +165,12 @@ class EpDispatchCombineConfig:
     def combine_dtype(self) -> torch.dtype:
         """The dtype combine reads and returns: ``combine_data_type``, else ``data_type``."""
         return self.combine_data_type or self.data_type
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype dispatch takes: the quantization's input under ``quant_type``, else the dispatch dtype."""
+        spec = quant_spec(self.quant_type)
+        return spec.input_dtype if spec is not None else self.dispatch_dtype
 
     @property
     def recv_capacity(self) -> int:
@@ -186,7 +206,7 @@ def _check_kernel_rules(cfg: EpDispatchCombineConfig) -> None:
     from .kernel_cfg import EP_ROW_ALIGN, EpDType, EpTokenBytes
     hi = CPP_INT_RANGE[1]
     for f in ("world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
-              "num_experts_per_token", "max_total_recv_tokens", "scale_dim", "scale_type_size"):
+              "num_experts_per_token", "max_total_recv_tokens", "scale_dim", "scale_type_size", "expert_capacity"):
         if getattr(cfg, f) > hi:
             raise ValueError(f"EpDispatchCombineConfig.{f}={getattr(cfg, f)}: above {hi}, the largest C++ int "
                              f"the kernels take")

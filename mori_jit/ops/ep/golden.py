@@ -157,13 +157,13 @@ def golden_check(
     all_n = [int(v.item()) for v in ns]
     all_x = _gather_padded(group, ws, M, x).reshape(ws * M, -1)           # bytes
     all_w = _gather_padded(group, ws, M, weights.to(torch.float32)).reshape(ws * M, -1)
-    all_i = _gather_padded(group, ws, M, indices.to(torch.int32)).reshape(ws * M, -1)
+    all_i = _gather_padded(group, ws, M, indices.to(torch.int64)).reshape(ws * M, -1)  # (int64 ids: no wrap)
     all_s = None
     if scales is not None:
         all_s = _gather_padded(group, ws, M, scales).reshape(ws * M, -1)
 
     # ---- the set of rows this rank must receive -------------------------------------------------
-    idx_all = _as_dtype(all_i, torch.int32).reshape(ws * M, k)
+    idx_all = _as_dtype(all_i, torch.int64).reshape(ws * M, k)
     exist = torch.zeros(ws * M, dtype=torch.bool, device=device)
     for s in range(ws):
         exist[s * M : s * M + all_n[s]] = True
@@ -213,8 +213,10 @@ def golden_check(
         _check_rows_bitwise(rank, "out_weights", _bytes2d(out_weights[:total].to(torch.float32)),
                             all_w[src], src, M, torch.float32, k)
     if out_indices is not None:
-        _check_rows_bitwise(rank, "out_indices", _bytes2d(out_indices[:total].to(torch.int32)),
-                            all_i[src], src, M, torch.int32, k)
+        if out_indices.dtype != indices.dtype:
+            _fail(rank, f"out_indices dtype {out_indices.dtype} differs from the ids' {indices.dtype}")
+        _check_rows_bitwise(rank, "out_indices", _bytes2d(out_indices[:total].to(torch.int64)),
+                            all_i[src], src, M, torch.int64, k)
     if all_s is not None:
         if out_scales is None:
             _fail(rank, "scales were given but out_scales is None")
@@ -263,8 +265,9 @@ def make_inputs(
     drop_frac: float = 0.0,
     all_to_rank: int | None = None,
     world_size: int | None = None,
+    index_dtype: torch.dtype = torch.int32,
 ):
-    """Random dispatch inputs ``(x [n, H] dtype, weights [n, k] f32, indices [n, k] int32)``.
+    """Random dispatch inputs ``(x [n, H] dtype, weights [n, k] f32, indices [n, k] index_dtype)``.
 
     Values are drawn on the CPU from ``generator`` (a fresh one seeded with ``rank`` if None) and
     then moved to ``device``, so they do not depend on the device. No value is zero: ``x`` is
@@ -276,6 +279,8 @@ def make_inputs(
             negatives, half ``>= num_experts_total``).
         all_to_rank: if given, every slot picks a (possibly repeated) expert living on that rank;
             needs ``world_size`` to know the experts per rank.
+        index_dtype: int32, or int64, whose dropped slots are ids ``2**32`` away from a valid one
+            (a cast to int32 would turn them into that valid id).
     """
     g = generator if generator is not None else torch.Generator().manual_seed(rank)
     if dtype.itemsize == 1:
@@ -299,5 +304,7 @@ def make_inputs(
         neg = torch.rand(n, topk, generator=g) < 0.5
         bad = torch.where(neg, -1 - torch.randint(0, 4, (n, topk), generator=g),
                           num_experts_total + torch.randint(0, num_experts_total + 1, (n, topk), generator=g))
+        if index_dtype == torch.int64:
+            bad = torch.where(neg, indices - 2**32, indices + 2**32)
         indices = torch.where(drop, bad, indices)
-    return x.to(device), weights.to(device), indices.to(torch.int32).to(device)
+    return x.to(device), weights.to(device), indices.to(index_dtype).contiguous().to(device)

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from .arena import SymmArena
 from .config import EpDispatchCombineConfig
 from .arguments import ROW_ALIGN, byte_span, expect_tensor, refuse_overlaps
+from .arguments_moe import check_expert_major_input, check_replay, check_scales
+from .results import EpDispatchResult
 from .peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
 from .schedule import Schedule
 
@@ -47,9 +49,13 @@ class EpDeviceError(RuntimeError):
 class KernelSet:
     """What a backend built. Callables take a bucket index first (see ``EpDispatchCombineOp._pick``).
 
-    ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``;
+    ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``,
+    plus a seventh ``(expert_counts, expert_layout)`` from backends with the MoE outputs
+    (:class:`~mori_jit.ops.ep.results.EpDispatchResult`); ``replay(v, x, weights, scales, routing)``
+    the same along an earlier routing (None: no replay);
     ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
-    output tensors or None). ``bound_launches``, for diagnostics (``tools/profile_ep_host.py``):
+    output tensors or None); ``combine_expert_major(v, inp, routing, out)`` → ``y`` (None: no
+    expert-major layout). ``bound_launches``, for diagnostics (``tools/profile_ep_host.py``):
     per leg (``"dispatch"``, ``"combine"``), each bucket's zero-argument launch
     (:meth:`mori_jit.jit.plan.Plan.bind_struct`) of the args struct the leg's last call filled.
     """
@@ -63,10 +69,12 @@ class KernelSet:
     combine_input_buffer: Optional[Callable[[], torch.Tensor]] = None
     close: Callable[[], None] = lambda: None
     bound_launches: dict[str, tuple[Callable[[], None], ...]] = dataclasses.field(default_factory=dict)
+    replay: Optional[Callable[..., tuple]] = None
+    combine_expert_major: Optional[Callable[..., torch.Tensor]] = None
 
 
 def gather_unquantized_gaps(cfg: EpDispatchCombineConfig) -> list[str]:
-    """The gaps both shipped backends share: only gather combine, no in-op quantization."""
+    """The ``hip`` backend's gaps of combine and quantization: only gather combine, no in-op quantization."""
     missing = []
     if cfg.combine_mode != "gather":
         missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
@@ -140,7 +148,7 @@ class EpDispatchCombineOp(abc.ABC):
         self._id = id(self)
         # _pick(num_tokens): the bucket index, a lookup among already-compiled variants, never a compile
         self._pick = self._kernels.schedule.index
-        self._disp_dtype, self._comb_dtype, self._cap = cfg.dispatch_dtype, cfg.combine_dtype, cfg.recv_capacity
+        self._in_dtype, self._comb_dtype, self._cap = cfg.input_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._routing = None  # the latest dispatch's routing
         # backends whose legs are host collectives agree on the arguments first (see _agreed)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
@@ -210,8 +218,28 @@ class EpDispatchCombineOp(abc.ABC):
 
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
-                 indices: torch.Tensor, *, routing=None, return_routing: bool = False):
+                 indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
+                 return_result: bool = False):
         """Send each token to the ranks of its top-k experts (once per distinct rank).
+
+        Args:
+            input: ``[n, hidden]`` ``cfg.input_dtype`` (the dispatch dtype; bf16 under ``quant_type``,
+                which the op casts to fp8 with block scales on the way), ``n <= M``.
+            weights: ``[n, k]`` float32 top-k weights, or None (then every rank passes None).
+            scales: ``[n, scale_dim]`` per-token scales of ``scale_type_size``-byte elements when the
+                config declares ``scale_dim`` (and no ``quant_type``); else None.
+            indices: ``[n, k]`` ``cfg.index_dtype`` expert ids; an id ``< 0`` or out of range drops
+                its slot. None on a replay (the routing has them).
+            routing: replay (``cfg.routing_replay``): the routing of this op's latest dispatch; the new
+                payload (``input``, ``weights``, ``scales`` of the same n tokens) lands at the same
+                receive rows and expert-major entries, and no slot is claimed again. The replay's
+                outputs may occupy the buffers of the dispatch it replays (a backend whose outputs
+                are views of one receive buffer, as the ``hip`` backend's are, overwrites them):
+                read that payload first. The routing stays valid for ``combine``.
+            return_routing: also return the routing (what ``combine`` takes).
+            return_result: return an :class:`~mori_jit.ops.ep.results.EpDispatchResult` (every
+                output by name, with the expert counts and the expert-major layout the config asks
+                for) instead of the tuple.
 
         Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
         ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
@@ -225,28 +253,33 @@ class EpDispatchCombineOp(abc.ABC):
                              indices, routing)
         else:
             n = self._check_dispatch(k, input, weights, scales, indices, routing)
-        res = k.dispatch(self._pick(n), input, weights, scales, indices)
-        self._routing = res[5]  # the only routing combine accepts until the next dispatch
-        return res if return_routing else res[:5]
+        if routing is None:
+            res = k.dispatch(self._pick(n), input, weights, scales, indices)
+            self._routing = res[5]  # the only routing combine accepts until the next dispatch
+        else:
+            res = k.replay(self._pick(n), input, weights, scales, routing)
+        if return_result:
+            return EpDispatchResult.of(res)
+        return res[:6] if return_routing else res[:5]
 
     def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""
         cfg, dev = self.cfg, self.device
-        if routing is not None:
+        if routing is not None and k.replay is None:
             raise EpUnsupportedError("routing replay (dispatch(routing=...)) is not supported")
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
         n = input.shape[0] if input.dim() == 2 else -1
         if n > cfg.max_num_inp_token_per_rank:
             raise ValueError(f"input: {n} tokens exceed max_num_inp_token_per_rank={cfg.max_num_inp_token_per_rank}")
-        expect_tensor("input", input, self._disp_dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
+        expect_tensor("input", input, self._in_dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
+        if routing is not None:
+            check_replay(cfg, routing, self._routing, n, EpUnsupportedError)
         if weights is not None:
             expect_tensor("weights", weights, torch.float32, (n, cfg.num_experts_per_token), dev)
-        if scales is not None:
-            if "scales" not in k.capabilities:
-                raise EpUnsupportedError("per-token scales are not supported by this backend")
-            expect_tensor("scales", scales, scales.dtype, (n, cfg.scale_dim), dev)
-        expect_tensor("indices", indices, torch.int32, (n, cfg.num_experts_per_token), dev)
+        check_scales(cfg, scales, n, dev, "scales" in k.capabilities, EpUnsupportedError)
+        if routing is None or indices is not None:
+            expect_tensor("indices", indices, cfg.index_dtype, (n, cfg.num_experts_per_token), dev)
         return n
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
@@ -271,6 +304,27 @@ class EpDispatchCombineOp(abc.ABC):
         else:
             n = self._check_combine(input, weights, routing, out, out_weights)
         return k.combine(self._pick(n), input, weights, routing, out, out_weights)
+
+    def combine_expert_major(self, input: torch.Tensor, *, routing, out: Optional[torch.Tensor] = None):
+        """Sum each token's expert outputs given in the expert-major layout (``cfg.expert_capacity``).
+
+        ``input`` is ``[num_experts_per_rank, expert_capacity, hidden]`` (combine dtype): entry
+        ``(e, c)`` is local expert e's output for the dispatch's layout entry ``(e, c)``, **already
+        multiplied by its top-k weight** (``EpExpertLayout.weights``): the expert side applies the
+        weights, the combine only sums. Padding entries (``recv_row == -1``) are never read into the
+        result (they may hold anything, NaN included). ``y[t]`` = the float32 sum over every entry
+        of token t on every rank (one per valid top-k slot), rounded once to the combine dtype.
+
+        Returns ``out [n, hidden]`` (combine dtype), freshly allocated unless the caller passes it
+        (written in place and returned). Collective: every rank calls it after the same dispatch.
+        """
+        k = self._live()
+        if k.combine_expert_major is None:
+            raise EpUnsupportedError(f"{type(self).__name__} has no expert-major combine")
+        check = check_expert_major_input
+        args = (self.cfg, input, routing, self._routing, out, self.device, self._arena_span)
+        n = self._agreed("combine", False, check, *args) if self._agree_per_call else check(*args)
+        return k.combine_expert_major(self._pick(n), input, routing, out)
 
     def _check_combine(self, input, weights, routing, out, out_weights) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""

@@ -130,12 +130,13 @@ def reference_dispatch(
         x: ``[n, H]`` tokens, any dtype (bf16, f32, fp8, uint8, ...); moved bit-exactly.
         weights: ``[n, k]`` float32 top-k weights (forwarded unchanged).
         scales: ``[n, S]`` per-token scales of any dtype, or None.
-        indices: ``[n, k]`` integer expert ids (int32 by contract).
+        indices: ``[n, k]`` integer expert ids; int32 and int64 travel as they are, other integer
+            dtypes as int32.
         recv_capacity: rows of the output buffers.
 
     Returns:
         ``(out [cap, H] x.dtype, out_weights [cap, k] f32, out_scales [cap, S] | None,
-        out_indices [cap, k] int32, total_recv int32 [1] on x.device, routing)``. Only rows
+        out_indices [cap, k] int32 | int64 (as indices), total_recv int32 [1] on x.device, routing)``. Only rows
         ``[0, total_recv)`` are valid; the rest are uninitialised.
 
     Raises:
@@ -172,9 +173,11 @@ def reference_dispatch(
     # --- payload: one packed byte row per sent token ---------------------------------------------
     src_id = (rank * max_tokens_per_rank
               + torch.arange(n, device=device, dtype=torch.int64)).to(torch.int32).unsqueeze(1)
+    # int64 ids travel whole: an out-of-range id cast to int32 could wrap into a valid one
+    id_dtype = indices.dtype if indices.dtype in (torch.int32, torch.int64) else torch.int32
     fields = [
         _row_bytes(src_id),
-        _row_bytes(indices.to(device=device, dtype=torch.int32)),
+        _row_bytes(indices.to(device=device, dtype=id_dtype)),
         _row_bytes(weights.to(device=device, dtype=torch.float32)),
         _row_bytes(x),
     ]
@@ -194,8 +197,8 @@ def reference_dispatch(
     part = [recv[:, e - w : e] for w, e in zip(widths, ends)]
 
     recv_src = _from_row_bytes(part[0], torch.int32, 1).reshape(total)
-    out_indices = torch.empty(recv_capacity, k, dtype=torch.int32, device=device)
-    out_indices[:total] = _from_row_bytes(part[1], torch.int32, k)
+    out_indices = torch.empty(recv_capacity, k, dtype=id_dtype, device=device)
+    out_indices[:total] = _from_row_bytes(part[1], id_dtype, k)
     out_weights = torch.empty(recv_capacity, k, dtype=torch.float32, device=device)
     out_weights[:total] = _from_row_bytes(part[2], torch.float32, k)
     out = torch.empty(recv_capacity, hidden, dtype=x.dtype, device=device)

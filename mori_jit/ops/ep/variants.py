@@ -9,6 +9,8 @@ import dataclasses
 import types
 from typing import Optional
 
+import torch
+
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
@@ -48,6 +50,14 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     missing = gather_unquantized_gaps(cfg)
     if cfg.scale_dim or cfg.scale_type_size:
         missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
+    if cfg.index_dtype != torch.int32:
+        missing.append(f"index_dtype={cfg.index_dtype} (the kernels read torch.int32 expert ids)")
+    if cfg.expert_counts:
+        missing.append("expert_counts=True (local expert counts)")
+    if cfg.expert_capacity:
+        missing.append(f"expert_capacity={cfg.expert_capacity} (the expert-major layout)")
+    if cfg.routing_replay:
+        missing.append("routing_replay=True (dispatch(routing=...))")
     if cfg.is_internode:
         missing.append(internode_gap(cfg, arch))
     if cfg.world_size > EP_MAX_PEERS:
@@ -206,14 +216,26 @@ def _dtype_from_string(value: str):
 
 #: a string field's annotation, as text (postponed annotations) or as the type
 _STR_TYPES = ("str", "Optional[str]", str, Optional[str])
+#: the config's on/off fields, and the words that set them on the command line
+_FLAG_FIELDS = ("combine_low_latency", "expert_counts", "routing_replay")
+_FLAGS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
+
+
+def _index_dtype_from_string(value: str):
+    from .config_moe import INDEX_DTYPES
+    names = {str(t).removeprefix("torch."): t for t in INDEX_DTYPES}
+    if value.removeprefix("torch.") not in names:
+        raise ValueError(f"expected one of {', '.join(names)}")
+    return names[value.removeprefix("torch.")]
 
 
 def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfig, int | None]:
     """An op config from ``KEY=VALUE`` strings (``mori-jit precompile --ep``), and ``num_cus`` if given.
 
     Keys are :class:`EpDispatchCombineConfig` fields (``rank`` defaults to 0) plus ``num_cus``;
-    dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names, and
-    ``combine_low_latency`` ``on``/``off`` (or true/false, 1/0).
+    dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names, ``index_dtype``
+    ``int32``/``int64``, and the on/off fields (``combine_low_latency``, ``expert_counts``,
+    ``routing_replay``) ``on``/``off`` (or true/false, 1/0).
     """
     fields = {f.name: f for f in dataclasses.fields(EpDispatchCombineConfig)}
     kwargs: dict = {"rank": 0}
@@ -227,13 +249,14 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
                 raise ConfigError(f"unknown EP config field {key!r}; valid: num_cus, {', '.join(fields)}")
             elif key.endswith("data_type"):
                 kwargs[key] = _dtype_from_string(raw)
+            elif key == "index_dtype":
+                kwargs[key] = _index_dtype_from_string(raw)
             elif fields[key].type in _STR_TYPES:
                 kwargs[key] = raw
-            elif key == "combine_low_latency":
-                flags = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
-                if raw.lower() not in flags:
-                    raise ValueError(f"expected one of {', '.join(flags)}")
-                kwargs[key] = flags[raw.lower()]
+            elif key in _FLAG_FIELDS:
+                if raw.lower() not in _FLAGS:
+                    raise ValueError(f"expected one of {', '.join(_FLAGS)}")
+                kwargs[key] = _FLAGS[raw.lower()]
             elif key == "schedule":
                 raise ConfigError("schedule cannot be given on the command line")
             else:

@@ -1,0 +1,33 @@
+"""The CPU launcher (``mori_jit.testing.distributed``) tears a worker down in order: whatever of the
+job still holds the process group through a reference cycle is released while the group lives."""
+from __future__ import annotations
+
+import weakref
+
+import torch.distributed as dist
+
+from mori_jit.testing.distributed import run_distributed
+
+
+class _Holder:
+    """An object in a reference cycle (as an op kept alive by a caught exception's traceback is)."""
+
+    def __init__(self, group):
+        self.group, self.me = group, self
+
+
+def _note_group_state(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("alive" if dist.is_initialized() else "destroyed")
+
+
+def _cycle_job(rank, ws, folder):
+    holder = _Holder(dist.group.WORLD)
+    # runs when the cycle is collected, or at interpreter exit if it never is
+    weakref.finalize(holder, _note_group_state, f"{folder}/rank{rank}")
+
+
+def test_cycles_holding_the_group_go_before_the_group(tmp_path):
+    run_distributed(_cycle_job, 2, str(tmp_path), timeout=60)
+    states = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert states == {"rank0": "alive", "rank1": "alive"}, states
