@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .arena import SymmArena
 from .config import EpDispatchCombineConfig
-from .arguments import ROW_ALIGN, byte_span, expect_tensor, refuse_overlaps
+from .arguments import ROW_ALIGN, EpPeerError, agree_on_arguments, byte_span, expect_tensor, refuse_overlaps
 from .arguments_moe import check_expert_major_input, check_replay, check_scales
 from .results import EpDispatchResult
 from .peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
@@ -35,10 +35,6 @@ _BACKENDS = {"hip": "mori_jit.ops.ep.backend_hip:EpDispatchCombineOpHip",
 
 class EpUnsupportedError(NotImplementedError):
     """The chosen backend cannot serve this config; the message lists everything missing."""
-
-
-class EpPeerError(RuntimeError):
-    """A peer refused its arguments to a collective call, so no rank ran it (this rank's are fine)."""
 
 
 class EpDeviceError(RuntimeError):
@@ -150,7 +146,7 @@ class EpDispatchCombineOp(abc.ABC):
         self._pick = self._kernels.schedule.index
         self._in_dtype, self._comb_dtype, self._cap = cfg.input_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._routing = None  # the latest dispatch's routing
-        # backends whose legs are host collectives agree on the arguments first (see _agreed)
+        # backends whose legs are host collectives agree on the arguments first (see arguments.agree_on_arguments)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
         self._closed = False
 
@@ -249,8 +245,8 @@ class EpDispatchCombineOp(abc.ABC):
         """
         k = self._live()
         if self._agree_per_call:
-            n = self._agreed("dispatch", weights is not None, self._check_dispatch, k, input, weights, scales,
-                             indices, routing)
+            n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, k, input,
+                                   weights, scales, indices, routing)
         else:
             n = self._check_dispatch(k, input, weights, scales, indices, routing)
         if routing is None:
@@ -299,8 +295,8 @@ class EpDispatchCombineOp(abc.ABC):
         """
         k = self._live()
         if self._agree_per_call:
-            n = self._agreed("combine", weights is not None, self._check_combine, input, weights, routing, out,
-                             out_weights)
+            n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, input, weights,
+                                   routing, out, out_weights)
         else:
             n = self._check_combine(input, weights, routing, out, out_weights)
         return k.combine(self._pick(n), input, weights, routing, out, out_weights)
@@ -323,7 +319,7 @@ class EpDispatchCombineOp(abc.ABC):
             raise EpUnsupportedError(f"{type(self).__name__} has no expert-major combine")
         check = check_expert_major_input
         args = (self.cfg, input, routing, self._routing, out, self.device, self._arena_span)
-        n = self._agreed("combine", False, check, *args) if self._agree_per_call else check(*args)
+        n = agree_on_arguments(self.group, "combine", False, check, *args) if self._agree_per_call else check(*args)
         return k.combine_expert_major(self._pick(n), input, routing, out)
 
     def _check_combine(self, input, weights, routing, out, out_weights) -> int:
@@ -358,31 +354,4 @@ class EpDispatchCombineOp(abc.ABC):
             # the kernel reads the inputs, and the peers the arena, while it writes the outputs
             refuse_overlaps((("out", out), ("out_weights", out_weights)),
                              (("input", input), ("weights", weights)), ("the op's symmetric buffers", self._arena_span))
-        return n
-
-    def _agreed(self, leg: str, weights_given: bool, check: Callable[..., int], *args) -> int:
-        """``check(*args)`` on every rank, then one small collective before any rank enters the
-        leg's own: a rank whose arguments were refused raises its error, and every peer raises
-        :class:`EpPeerError` naming it, instead of waiting in an exchange the refused rank never
-        joins; ranks that disagree on passing weights all raise ValueError. For backends whose
-        legs are host-side collectives (the ``torch`` backend); the ``hip`` backend's kernels
-        report a missing peer themselves (a timeout, :class:`EpDeviceError`)."""
-        try:
-            n, refusal = check(*args), None
-        except (TypeError, ValueError, EpUnsupportedError) as e:
-            n, refusal = -1, e
-        facts: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(facts, (None if refusal is None else f"{type(refusal).__name__}: {refusal}",
-                                       weights_given), group=self.group)
-        if refusal is not None:
-            raise refusal
-        refused = [(r, msg) for r, (msg, _) in enumerate(facts) if msg]
-        if refused:
-            r, msg = refused[0]
-            raise EpPeerError(f"{leg}: rank {r} refused its arguments ({msg}); no rank ran this {leg}")
-        given = [g for _, g in facts]
-        if any(g != given[0] for g in given):
-            with_w = [r for r, g in enumerate(given) if g]
-            raise ValueError(f"weights: given on ranks {with_w} and not on the others; every rank passes weights "
-                             f"to {leg} or none does")
         return n
