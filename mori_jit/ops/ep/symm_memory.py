@@ -7,8 +7,9 @@ Two providers, chosen by ``EpDispatchCombineConfig.symm_memory`` (see :func:`.pe
 * :class:`IpcMemoryProvider`: a plain device allocation per rank, opened by every peer through
   torch's own storage sharing (``_share_cuda_`` on the owner, ``_new_shared_cuda`` on each peer;
   CUDA IPC on NVIDIA, HIP IPC on ROCm), the handles exchanged with ``all_gather_object`` over the
-  op's group (gloo included). Works for ranks on one device and for ranks on P2P-connected devices
-  of one host. A group of one rank gets a plain allocation and no collective.
+  op's group (gloo included). Each peer's block is opened in this rank's own device context, so it
+  serves ranks on one device (run on hardware) and ranks on P2P-connected devices of one host (not
+  yet run on hardware). A group of one rank gets a plain allocation and no collective.
 
 Lifetime: :meth:`MemoryProvider.release` is collective. A rank first drops its mappings of the
 peers' blocks, then waits for the group, then frees its own block: no owner frees memory a peer
@@ -115,7 +116,10 @@ class IpcMemoryProvider:
             if pe == rank:
                 bases.append(buf.data_ptr())
                 continue
-            storage = torch.UntypedStorage._new_shared_cuda(*peer_meta)
+            # Opened in this rank's own device context (the meta's first item is the device the
+            # handle is opened on): the mapping then lives where this rank's kernels run, with
+            # peer access enabled to the owner's device when that is another GPU.
+            storage = torch.UntypedStorage._new_shared_cuda(buf.device.index, *peer_meta[1:])
             if storage.nbytes() < nbytes:
                 raise RuntimeError(f"IPC symmetric memory: rank {pe}'s block maps {storage.nbytes()} bytes, "
                                    f"expected {nbytes}")
