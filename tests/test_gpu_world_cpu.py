@@ -1,0 +1,22 @@
+"""CPU tests of the GPU harness's placement (``mori_jit/testing/gpu_world.py``): where the ranks of
+each world size go on a machine of 0, 1, 2 or 8 GPUs, and which process-group backend they use."""
+from __future__ import annotations
+
+import pytest
+
+from mori_jit.testing.gpu_world import Placement, placement
+
+
+@pytest.mark.parametrize("ws,gpus,want", [
+    (1, 1, Placement(1, 1, 1, "nccl")),
+    (2, 1, Placement(2, 1, 2, "gloo")),   # two ranks on one GPU: NCCL refuses it
+    (8, 1, Placement(8, 1, 8, "gloo")),
+    (2, 2, Placement(2, 2, 1, "nccl")),
+    (8, 2, Placement(8, 2, 4, "gloo")),
+    (3, 2, Placement(3, 2, 2, "gloo")),   # ranks 0 and 2 share GPU 0
+    (4, 8, Placement(4, 4, 1, "nccl")),   # only the GPUs needed
+    (2, 0, Placement(2, 0, 0, "gloo")),   # no GPU: the tests skip
+])
+def test_ranks_go_round_robin_and_share_a_gpu_only_when_they_must(ws, gpus, want):
+    assert placement(ws, gpus) == want
+
