@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job
+from mori_jit.testing.gpu_world import WORLD_SIZES, placement, run_ep_job
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
@@ -30,8 +30,7 @@ def _dev() -> torch.device:
 
 def _share(ws: int) -> int:
     """The SMs/CUs each rank's grid may use: the device's, split among the ranks on it."""
-    ranks_here = -(-ws // torch.cuda.device_count())
-    return torch.cuda.get_device_properties(_dev()).multi_processor_count // ranks_here
+    return torch.cuda.get_device_properties(_dev()).multi_processor_count // placement(ws).ranks_per_gpu
 
 
 def _host_or_device(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import filelock
 from . import cache, cache_builds, knobs
 from .devlib import LinkInputs, link_inputs
 from .key import cache_key, include_hash
-from .log import apply_verbosity
+from .log import apply_verbosity, level_for
 from .paths import kernels_dir, source_root
 from .spec import Spec
 from .toolchain import Toolchain
@@ -85,12 +85,11 @@ def resolve(spec: Spec, cfg: Any, toolchain: Toolchain, *, fresh_include_hash: b
 
 
 _logger = logging.getLogger(__name__)
-#: MORI_JIT_VERBOSE level a message needs → its logging level (0: always shown, as a warning)
-_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 
 
 def _log(msg: str, level: int = 1) -> None:
-    _logger.log(_LEVELS[level], msg)
+    """Log ``msg`` at the level a ``MORI_JIT_VERBOSE`` of ``level`` shows (0: always, as a warning)."""
+    _logger.log(level_for(level), msg)
 
 
 def _run_step(res: Resolved, toolchain: Toolchain, cmd: list[str], out: Path, src: Path, cwd: Path,

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from .contract import ROW_ALIGN
 
-__all__ = ["ROW_ALIGN", "expect_tensor", "byte_span", "refuse_overlaps", "EpPeerError", "agree_on_arguments"]
+__all__ = ["ROW_ALIGN", "expect_tensor", "expect_latest_routing", "byte_span", "refuse_overlaps", "EpPeerError",
+           "agree_on_arguments"]
 
 
 def expect_tensor(name: str, t: Any, dtype, shape: tuple, device, align: int = 1) -> None:
@@ -39,6 +40,15 @@ def expect_tensor(name: str, t: Any, dtype, shape: tuple, device, align: int = 1
     if t.data_ptr() % align:
         raise ValueError(f"{name}: data at {t.data_ptr():#x} is not {align}-byte aligned (the kernels move rows "
                          f"as {align}-byte vectors); pass a tensor whose storage starts on such a boundary")
+
+
+def expect_latest_routing(routing: Any, latest: Any) -> None:
+    """Raise ValueError unless ``routing`` is ``latest``, the routing of the op's latest dispatch (an
+    identity test: it runs on every call). Another op's routing, or an earlier dispatch's, describes
+    rows and slots the latest dispatch replaced: combining or replaying along it is wrong."""
+    if routing is not latest:
+        raise ValueError("routing: expected the routing returned by this op's latest dispatch(return_routing=True), "
+                         "not another op's or an earlier dispatch's (whose rows the latest one replaced)")
 
 
 def byte_span(t: Optional[torch.Tensor]) -> tuple[int, int]:

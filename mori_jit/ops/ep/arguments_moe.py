@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .arguments import ROW_ALIGN, expect_tensor, refuse_overlaps
+from .arguments import ROW_ALIGN, expect_latest_routing, expect_tensor, refuse_overlaps
 
 __all__ = ["check_scales", "check_replay", "check_expert_major_input"]
 
@@ -42,9 +42,7 @@ def check_replay(cfg, routing, latest, n: int, unsupported: type) -> None:
     ``routing`` must be this op's latest dispatch's, made for ``n`` tokens."""
     if not cfg.routing_replay:
         raise unsupported("routing replay (dispatch(routing=...)) needs EpDispatchCombineConfig.routing_replay=True")
-    if routing is not latest:
-        raise ValueError("routing: a replay takes the routing of this op's latest dispatch(return_routing=True); "
-                         "this one is another op's or an earlier dispatch's, whose slots the latest replaced")
+    expect_latest_routing(routing, latest)
     if n != routing.num_tokens:
         raise ValueError(f"input: {n} tokens, but the routing was made for {routing.num_tokens}; a replay moves a "
                          f"payload of the routed tokens, row for row")
@@ -56,8 +54,7 @@ def check_expert_major_input(cfg, input, routing, latest, out, device, arena_spa
     if not cfg.expert_capacity:
         raise ValueError("combine_expert_major needs the expert-major layout: set "
                          "EpDispatchCombineConfig.expert_capacity (and expert_counts=True)")
-    if routing is not latest:
-        raise ValueError("routing: expected the routing returned by this op's latest dispatch")
+    expect_latest_routing(routing, latest)
     shape = (cfg.num_experts_per_rank, cfg.expert_capacity, cfg.hidden_dim)
     expect_tensor("input", input, cfg.combine_dtype, shape, device, ROW_ALIGN)
     n = routing.num_tokens

@@ -23,7 +23,7 @@ from .kernel_cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, CombWord, EpMax
                   WaitId, region_bytes)
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
-from .variants import ep_variants, hip_gaps, plan_requests
+from .variants import ep_variants, hip_gaps
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSAGES", "decode_error"]
 
@@ -47,7 +47,6 @@ class HipRouting(NamedTuple):
     (``srcRank*M + srcTok`` per received row, valid below ``total_recv``). A NamedTuple: it is
     built on every dispatch, so it must be cheap."""
 
-    op_id: int
     num_tokens: int
     recv_src: torch.Tensor
     total_recv: torch.Tensor
@@ -150,7 +149,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             torch.cuda.synchronize(dev)
             dist.barrier(group=self.group)
         # every variant is compiled and loaded here, before the first _pick (precompile walks the same list)
-        requests = plan_requests(cfg, tc.arch, self._num_cus, self.ranks_per_device)
+        requests = var.requests()
         build_many(requests, tc)  # misses compile in parallel; loading stays on this thread (its context)
         plans = {(spec.kind, c): prepare(spec, c, tc, dev) for spec, c in requests}
         disp_plans = [plans[(DISPATCH, c)] for c in var.dispatch]
@@ -178,7 +177,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         recv_src = arena.view("recv_to_src", torch.int32, (cap,))
         total_recv = arena.view("total_recv", torch.int32, (1,))
         inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
-        op_id = id(self)
 
         given = arena.tensor.data_ptr()  # (see _weights_ptr)
 
@@ -189,7 +187,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             dargs.numTokens = x.shape[0]
             disp_launch[v]()
             return (out, out_w if weights is not None else None, None, out_idx, total_recv,
-                    HipRouting(op_id, x.shape[0], recv_src, total_recv))
+                    HipRouting(x.shape[0], recv_src, total_recv))
 
         # from the default allocator (never from inp, which may lie in the symmetric arena)
         new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, dev)

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from .arena import SymmArena
 from .config import EpDispatchCombineConfig
-from .arguments import ROW_ALIGN, EpPeerError, agree_on_arguments, byte_span, expect_tensor, refuse_overlaps
+from .arguments import (ROW_ALIGN, EpPeerError, agree_on_arguments, byte_span, expect_latest_routing, expect_tensor,
+                        refuse_overlaps)
 from .arguments_moe import check_expert_major_input, check_replay, check_scales
 from .results import EpDispatchResult
 from .peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
@@ -141,11 +142,12 @@ class EpDispatchCombineOp(abc.ABC):
         self._kernels = self._build_kernels(cfg, self.arena)
         # What every call reads, resolved once: the config's properties cost a Python call each,
         # and dispatch()/combine() have a host budget of a few microseconds.
-        self._id = id(self)
         # _pick(num_tokens): the bucket index, a lookup among already-compiled variants, never a compile
         self._pick = self._kernels.schedule.index
         self._in_dtype, self._comb_dtype, self._cap = cfg.input_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._routing = None  # the latest dispatch's routing
+        # scales=None is refused only where the caller must pass them (check_scales)
+        self._scales_required = bool(cfg.scale_dim) and cfg.quant_type in (None, "none")
         # backends whose legs are host collectives agree on the arguments first (see arguments.agree_on_arguments)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
         self._closed = False
@@ -273,7 +275,8 @@ class EpDispatchCombineOp(abc.ABC):
             check_replay(cfg, routing, self._routing, n, EpUnsupportedError)
         if weights is not None:
             expect_tensor("weights", weights, torch.float32, (n, cfg.num_experts_per_token), dev)
-        check_scales(cfg, scales, n, dev, "scales" in k.capabilities, EpUnsupportedError)
+        if scales is not None or self._scales_required:
+            check_scales(cfg, scales, n, dev, "scales" in k.capabilities, EpUnsupportedError)
         if routing is None or indices is not None:
             expect_tensor("indices", indices, cfg.index_dtype, (n, cfg.num_experts_per_token), dev)
         return n
@@ -325,13 +328,7 @@ class EpDispatchCombineOp(abc.ABC):
     def _check_combine(self, input, weights, routing, out, out_weights) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""
         cfg, dev, dtype = self.cfg, self.device, self._comb_dtype
-        if routing is not self._routing:
-            # (an identity test: it runs on every call) Another op's routing, or an older dispatch's,
-            # describes rows the arena no longer holds: combining along it gives a wrong answer.
-            older = routing is not None and getattr(routing, "op_id", None) == self._id
-            raise ValueError("routing: expected the routing returned by this op's latest dispatch(return_routing=True)"
-                             + ("; this one belongs to an earlier dispatch, whose rows the latest one replaced"
-                                if older else ""))
+        expect_latest_routing(routing, self._routing)
         if not isinstance(input, torch.Tensor) or input.dim() != 2:
             raise ValueError(f"input: expected a 2-D tensor [rows, {cfg.hidden_dim}]")
         rows = input.shape[0]

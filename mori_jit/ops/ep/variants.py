@@ -88,6 +88,12 @@ class EpVariants:
         out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine])
         return list(out)
 
+    def requests(self) -> list[tuple]:
+        """The ``(spec, EpCfg)`` pairs to prepare: :meth:`all_cfgs` with each kind's spec."""
+        from .specs import EP_COMBINE, EP_DISPATCH
+        spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE}
+        return [(spec[kind], c) for kind, c in self.all_cfgs()]
+
 
 def _one_token_ranges(cfg: EpDispatchCombineConfig, blocks: int, arch: str) -> bool:
     """Whether a low-latency combine of ``cfg`` on ``blocks`` blocks holds each peer-token task in
@@ -202,9 +208,7 @@ def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
 
 def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per_device: int = 1) -> list[tuple]:
     """The ``(spec, EpCfg)`` pairs a live ``hip`` op prepares, in order, without duplicates."""
-    from .specs import EP_COMBINE, EP_DISPATCH
-    spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE}
-    return [(spec[kind], c) for kind, c in ep_variants(cfg, arch, num_cus, ranks_per_device).all_cfgs()]
+    return ep_variants(cfg, arch, num_cus, ranks_per_device).requests()
 
 
 def _dtype_from_string(value: str):
