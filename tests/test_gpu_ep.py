@@ -262,6 +262,7 @@ def _combine_inputs_job(rank, ws):
     for m, low, pins in ((40, None, {}), (40, False, {}), (40, False, {"combine_block_num": 4}), (1100, None, {}),
                          (1100, True, {})):
         with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m, combine_low_latency=low, **pins), None) as op:
+            print(f"[rank {rank}] m={m} combine_low_latency={op.cfg.combine_low_latency} {pins}", flush=True)
             cfg = op.cfg
             stage = op.get_combine_input_buffer()
             # one buffer for the op's life, outside the symmetric arena (only this rank reads it)
@@ -382,6 +383,7 @@ def _empty_receiver_job(rank, ws):
                                           dispatch_block_num=blocks, combine_block_num=blocks,
                                           combine_low_latency=low)
             with EpDispatchCombineOp(cfg, None) as op:
+                print(f"[rank {rank}] {dtype} combine_low_latency={low}", flush=True)
                 for i in range(12):
                     weighted, empty = i % 2 == 1, (i // 2) % ws
                     if i % 4 < 2:  # one token each; rank `empty` receives nothing
