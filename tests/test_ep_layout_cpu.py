@@ -125,3 +125,42 @@ def test_choosing_the_torch_backend_imports_no_jit_runtime():
     p = subprocess.run([sys.executable, "-c", code % port], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "IMPORTED []" in p.stdout, p.stdout
+
+
+class _RecordingProvider:
+    """A one-rank memory provider on the host that records releases (the arena's dependency)."""
+
+    kind = "recording"
+
+    def __init__(self):
+        self.released = []
+
+    def allocate(self, nbytes, device, group):
+        import torch
+
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf, [buf.data_ptr()]
+
+    def release(self, tensor):
+        self.released.append(tensor)
+
+
+def test_an_abandoned_arena_keeps_its_memory_and_releases_nothing():
+    import gc
+    import weakref
+
+    import torch
+
+    from mori_jit.ops.ep.arena import SymmArena
+
+    provider = _RecordingProvider()
+    arena = SymmArena.create({"a": 100, "b": 300}, None, torch.device("cpu"), provider)
+    block = weakref.ref(arena.tensor)
+    arena.abandon()
+    gc.collect()
+    assert provider.released == [] and arena.tensor.numel() == 0 and arena.peer_bases == []
+    assert block() is not None, "an abandoned arena's memory must stay mapped until the process exits"
+
+    closed = SymmArena.create({"a": 100}, None, torch.device("cpu"), provider)
+    closed.close()
+    assert len(provider.released) == 1 and closed.tensor.numel() == 0

@@ -15,9 +15,18 @@ import torch.distributed as dist
 
 from .symm_memory import MemoryProvider, make_provider
 
-__all__ = ["SymmArena", "ALIGN", "layout"]
+__all__ = ["SymmArena", "ALIGN", "layout", "keep_until_exit"]
 
 ALIGN = 256
+
+# What a rank let go of without a collective release (see SymmArena.abandon): device memory that a
+# peer's or this rank's kernel may still touch, referenced until the process exits.
+_KEPT_UNTIL_EXIT: list = []
+
+
+def keep_until_exit(*objs) -> None:
+    """Reference ``objs`` until the process exits (memory a running kernel may still write)."""
+    _KEPT_UNTIL_EXIT.append(objs)
 
 
 def layout(region_bytes: Mapping[str, int]) -> tuple[dict[str, int], int]:
@@ -79,3 +88,12 @@ class SymmArena:
         own (the IPC provider waits for the group in between)."""
         tensor, self.tensor, self.peer_bases = self.tensor, torch.empty(0, dtype=torch.uint8), []
         self.provider.release(tensor)
+
+    def abandon(self) -> None:
+        """Not collective: let go of the arena without releasing it; its memory (this rank's block
+        and the peers' mappings) stays mapped until the process exits. For a rank that leaves on an
+        exception: its peers may be anywhere (inside a kernel, a collective, or gone), so a
+        collective release could wait forever, and freeing this rank's block alone could let a
+        peer's kernel write into freed memory."""
+        keep_until_exit(self.tensor, self.peer_bases, self.provider)
+        self.tensor, self.peer_bases = torch.empty(0, dtype=torch.uint8), []

@@ -14,12 +14,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import logging
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .arena import SymmArena
+from .arena import SymmArena, keep_until_exit
 from .config import EpDispatchCombineConfig
 from .arguments import (ROW_ALIGN, EpPeerError, agree_on_arguments, byte_span, expect_latest_routing, expect_tensor,
                         refuse_overlaps)
@@ -27,6 +28,8 @@ from .arguments_moe import check_expert_major_input, check_replay, check_scales
 from .results import EpDispatchResult
 from .peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
 from .schedule import Schedule
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["EpDispatchCombineOp", "KernelSet", "EpUnsupportedError", "EpDeviceError", "EpPeerError"]
 
@@ -166,8 +169,20 @@ class EpDispatchCombineOp(abc.ABC):
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        """Leaving normally closes the op (collective). Leaving on an exception does not: the
+        peers need not be at a matching ``close()``, so the rank keeps its arena mapped until the
+        process exits (see :meth:`SymmArena.abandon`) and the exception propagates at once instead
+        of waiting on the group."""
+        if exc_type is None:
+            self.close()
+        elif not getattr(self, "_closed", True):
+            self._closed = True
+            keep_until_exit(self._kernels)  # (a kernel may still write its error words)
+            if self.arena is not None:
+                self.arena.abandon()
+                _log.warning("rank %d left an EpDispatchCombineOp on %s; its symmetric memory stays "
+                             "mapped until the process exits", self.cfg.rank, exc_type.__name__)
 
     @property
     def kernels(self) -> KernelSet:

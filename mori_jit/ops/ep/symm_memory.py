@@ -106,16 +106,23 @@ class IpcMemoryProvider:
         if ws == 1:  # no peer maps it: a plain allocation, and no collective (none is needed)
             self._group, self._own = group, buf
             return buf, [buf.data_ptr()]
-        # (device index, handle, block size, offset in the block, ref-counter handle and offset, event)
-        meta = buf.untyped_storage()._share_cuda_()
+        # One share per peer: each share gets its own reference counter in torch's IPC bookkeeping,
+        # set to 1 and counted down when that one peer drops its mapping, so the block leaves the
+        # owner's "in use by consumers" list only when every peer has let go. (Sharing once for
+        # all peers counts one counter down ws - 1 times: the block never leaves that list, and
+        # torch warns at exit that the producer terminated before its consumers released it.)
+        # A share: (device index, handle, block size, offset in the block, ref-counter handle and
+        # offset, event).
+        shares = [None if pe == rank else buf.untyped_storage()._share_cuda_() for pe in range(ws)]
         cards: list = [None] * ws
-        dist.all_gather_object(cards, (host_id(), nbytes, meta), group=group)
+        dist.all_gather_object(cards, (host_id(), nbytes, shares), group=group)
         check_peer_blocks([(c[0], c[1]) for c in cards])
         bases = []
-        for pe, (_, _, peer_meta) in enumerate(cards):
+        for pe, (_, _, peer_shares) in enumerate(cards):
             if pe == rank:
                 bases.append(buf.data_ptr())
                 continue
+            peer_meta = peer_shares[rank]
             # Opened in this rank's own device context (the meta's first item is the device the
             # handle is opened on): the mapping then lives where this rank's kernels run, with
             # peer access enabled to the owner's device when that is another GPU.
