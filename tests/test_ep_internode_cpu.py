@@ -22,7 +22,7 @@ from mori_jit.ops.ep import EpDispatchCombineConfig
 from mori_jit.ops.ep.backend_internode import NET_WAIT_MESSAGES, decode_net_error
 from mori_jit.ops.ep.internode_cfg import (EP_NET_ARGS, EP_NET_REGIONS, PASSES, EpNetCfg, ErrCode, NetWaitId,
                                            make_net_cfg, net_region_bytes)
-from mori_jit.ops.ep.internode_spec import NET_SPECS, net_spec
+from mori_jit.ops.ep.internode_spec import NET_SPECS
 from mori_jit.ops.ep.kernel_cfg import EpDType
 from mori_jit.ops.ep.internode_tuning import DEFAULT_ROWS, NET_TABLE, check_rows, net_rows
 from mori_jit.ops.ep.internode_variants import bucket_families, internode_gaps, net_variants
@@ -226,7 +226,7 @@ def test_real_nvcc_builds_and_device_links_every_internode_pass(dtypes):
     except DeviceLibraryError as e:
         pytest.skip(f"NVSHMEM absent: {e}")
     names = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
-    cfg = _cfg(dispatch_data_type=names[dtypes[0]], combine_data_type=names[dtypes[1]], max_num_inp_token_per_rank=256)
+    cfg = _cfg(dispatch_data_type=names[dtypes[0]], combine_data_type=names[dtypes[1]])
     var = net_variants(cfg, "sm_90a", 132)
     for spec, c in var.requests():
         entry = build(spec, c, tc)
@@ -236,3 +236,17 @@ def test_real_nvcc_builds_and_device_links_every_internode_pass(dtypes):
         symbols = elf_symbols(data)
         assert symbols.get(spec.entry_name(c)) == STT_FUNC, spec.entry_name(c)
         assert "nvshmemi_device_lib_version_d" in symbols  # NVSHMEM's device library is linked in
+
+
+# -- the GPU harness's MPS share -------------------------------------------------------------------
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_every_rank_sharing_a_gpu_gets_an_equal_mps_share_summing_to_at_most_100(ranks):
+    from mori_jit.testing.gpu_world_shmem import mps_thread_percentage
+    share = mps_thread_percentage(ranks)
+    if ranks == 1:
+        assert share is None  # one PE per GPU: no limit
+    else:
+        assert 1 <= share and share * ranks <= 100 and (share + 1) * ranks > 100
+    with pytest.raises(ValueError, match="ranks_per_gpu=0"):
+        mps_thread_percentage(0)

@@ -79,9 +79,12 @@ MORI_DEVICE void WaitEveryRank(const EpNetArgs& a, NetSignal row, uint64_t targe
 MORI_DEVICE uint64_t BlockShare() { return blockIdx.x == 0 ? kDoneUnit - (gridDim.x - 1) : 1; }
 
 // After every thread of the block issued its stores and puts: complete them, then add `value` to
-// this rank's word of `row` on every rank (thread 0; its fence is cumulative over the barrier).
+// this rank's word of `row` on every rank. Each warp completes its own puts (a network transport
+// may give warps their own queues); thread 0's fence after the barrier is cumulative over the
+// block's plain stores to peers.
 template <EpNetCfg kCfg>
 MORI_DEVICE void SignalEveryRank(const EpNetArgs& a, NetSignal row, uint64_t value) {
+  if (plat::lane_id() == 0) transport::quiet();
   __syncthreads();
   if (threadIdx.x != 0) return;
   plat::fence_system();
