@@ -250,3 +250,14 @@ def test_every_rank_sharing_a_gpu_gets_an_equal_mps_share_summing_to_at_most_100
         assert 1 <= share and share * ranks <= 100 and (share + 1) * ranks > 100
     with pytest.raises(ValueError, match="ranks_per_gpu=0"):
         mps_thread_percentage(0)
+
+
+def test_plain_precompile_builds_internode_passes_only_where_they_can_be(fake_cc, monkeypatch, tmp_path):
+    spec = NET_SPECS[("v2_ll", "dispatch_send")]
+    assert spec.precompile_cfgs(make_toolchain("gfx90a")) == []  # no AMD transport
+    _fake_nvshmem(monkeypatch, tmp_path)
+    assert spec.precompile_cfgs(make_toolchain("sm_90a")) == [spec.default_cfg(make_toolchain("sm_90a"))]
+    monkeypatch.setenv("MORI_JIT_NVSHMEM_HOME", str(tmp_path / "none"))
+    assert spec.precompile_cfgs(make_toolchain("sm_90a")) == []  # NVSHMEM not installed there
+    with pytest.raises(Exception, match="no SHMEM transport for gfx90a"):
+        spec.render_source(spec.default_cfg(make_toolchain("gfx90a")), make_toolchain("gfx90a"))

@@ -7,6 +7,7 @@ loaded) and renders the transport header of its vendor; AMD has none here.
 """
 from __future__ import annotations
 
+from mori_jit.jit.devlib import DeviceLibraryError
 from mori_jit.jit.nvshmem import NVSHMEM
 from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
@@ -45,6 +46,17 @@ class EpNetSpec(Spec):
 
     def default_cfg(self, toolchain: Toolchain) -> EpNetCfg:
         return make_net_cfg(self.pass_name, toolchain.arch, {})
+
+    def precompile_cfgs(self, toolchain: Toolchain) -> list[EpNetCfg]:
+        """The default config where it can be built: none on a vendor without a transport, or
+        without NVSHMEM installed (``mori-jit info`` says why); ``precompile --ep`` builds an op's."""
+        if toolchain.vendor not in TRANSPORTS:
+            return []
+        try:
+            NVSHMEM.locate()
+        except DeviceLibraryError:
+            return []
+        return [self.default_cfg(toolchain)]
 
     def make_cfg(self, toolchain: Toolchain, request=None) -> EpNetCfg:
         return make_net_cfg(self.pass_name, toolchain.arch, request or {})
