@@ -259,5 +259,5 @@ def test_plain_precompile_builds_internode_passes_only_where_they_can_be(fake_cc
     assert spec.precompile_cfgs(make_toolchain("sm_90a")) == [spec.default_cfg(make_toolchain("sm_90a"))]
     monkeypatch.setenv("MORI_JIT_NVSHMEM_HOME", str(tmp_path / "none"))
     assert spec.precompile_cfgs(make_toolchain("sm_90a")) == []  # NVSHMEM not installed there
-    with pytest.raises(Exception, match="no SHMEM transport for gfx90a"):
-        spec.render_source(spec.default_cfg(make_toolchain("gfx90a")), make_toolchain("gfx90a"))
+    with pytest.raises(ConfigError, match=r"no SHMEM transport for gfx90a \(amd\); they run on NVSHMEM"):
+        spec.default_cfg(make_toolchain("gfx90a"))

@@ -20,13 +20,13 @@ from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
 from mori_jit.jit.codegen import GeneratedHeader, register_header
 from mori_jit.jit.expr import C, Derived, max_, where
 from mori_jit.jit.fields import CConst, ConfigError, apply_request, cfg_fields
-from mori_jit.jit.toolchain import wave_size_for_arch
+from mori_jit.jit.toolchain import vendor_of, wave_size_for_arch
 
 from .contract import ROW_ALIGN
 from .kernel_cfg import EpDType, ErrCode, FlagUnit
 
 __all__ = ["EpNetCfg", "NetWaitId", "NetSignal", "EP_NET_ARGS", "EP_NET_REGIONS", "EP_NET_MAX_RANKS", "PASSES",
-           "DISPATCH_PASSES", "COMBINE_PASSES", "make_net_cfg", "net_region_bytes", "net_cfg_problems",
+           "DISPATCH_PASSES", "COMBINE_PASSES", "TRANSPORTS", "make_net_cfg", "net_region_bytes", "net_cfg_problems",
            "NetTokenBytes", "NetBlockThreads", "NetMaxRecv", "NetNumExperts", "NetIsValid"]
 
 #: Most ranks an internode op spans (the signal rows are one word per rank).
@@ -35,6 +35,8 @@ EP_NET_MAX_RANKS = 1024
 DISPATCH_PASSES = ("dispatch_send", "dispatch_recv")
 COMBINE_PASSES = ("combine_send", "combine_recv")
 PASSES = DISPATCH_PASSES + COMBINE_PASSES
+#: The transport header (``kernels/transport/<name>.hpp``) of each vendor that has one.
+TRANSPORTS = {"nvidia": "nvshmem"}
 #: Passes whose geometry does not follow the tuning table: one block of one warp (a bookkeeping pass).
 SINGLE_WARP_PASSES = ("dispatch_recv",)
 
@@ -184,6 +186,9 @@ def make_net_cfg(pass_name: str, arch: str, request: Mapping[str, Any]) -> EpNet
     warp whatever the request's geometry, so every bucket shares its binary."""
     if pass_name not in PASSES:
         raise ValueError(f"internode pass must be one of {PASSES}, got {pass_name!r}")
+    if vendor_of(arch) not in TRANSPORTS:
+        raise ConfigError(f"internode kernels on {arch}: no SHMEM transport for {arch} ({vendor_of(arch)}); they run "
+                          f"on NVSHMEM (NVIDIA) only")
     merged = {**request, "waveSize": wave_size_for_arch(arch)}
     if pass_name in SINGLE_WARP_PASSES:
         merged.update(blockNum=1, warpPerBlock=1)

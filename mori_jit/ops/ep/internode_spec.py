@@ -13,13 +13,11 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain, ToolchainError
 
-from .internode_cfg import EP_NET_ARGS, PASSES, EpNetCfg, NetBlockThreads, make_net_cfg
+from .internode_cfg import EP_NET_ARGS, PASSES, TRANSPORTS, EpNetCfg, NetBlockThreads, make_net_cfg
 from .specs import ELEM_TYPES
 
 __all__ = ["EpNetSpec", "NET_SPECS", "FAMILY_BODIES", "TRANSPORTS", "net_spec"]
 
-#: The transport header (``kernels/transport/<name>.hpp``) of each vendor that has one.
-TRANSPORTS = {"nvidia": "nvshmem"}
 #: Each built family: its body header and the body function of each pass.
 FAMILY_BODIES = {
     "v2_ll": ("ep/ep_net_ll.hpp", {"dispatch_send": "NetLlDispatchSend", "dispatch_recv": "NetLlDispatchRecv",
