@@ -20,7 +20,7 @@ from mori_jit.jit.nvshmem import NVSHMEM
 from mori_jit.jit.toolchain import make_toolchain
 from mori_jit.ops.ep import EpDispatchCombineConfig
 from mori_jit.ops.ep.backend_internode import NET_WAIT_MESSAGES, decode_net_error
-from mori_jit.ops.ep.internode_cfg import (EP_NET_ARGS, EP_NET_REGIONS, PASSES, EpNetCfg, ErrCode, NetWaitId,
+from mori_jit.ops.ep.internode_cfg import (EP_NET_ARGS, EP_NET_REGIONS, FAMILY_PASSES, EpNetCfg, ErrCode, NetWaitId,
                                            make_net_cfg, net_region_bytes)
 from mori_jit.ops.ep.internode_spec import NET_SPECS
 from mori_jit.ops.ep.kernel_cfg import EpDType
@@ -67,7 +67,13 @@ def test_regions_and_args_come_from_one_table():
     offsets = [f.name for f in EP_NET_ARGS.fields if f.name.startswith("off_")]
     assert offsets == [f"off_{n}" for n in EP_NET_REGIONS]
     assert sizes["disp_out"] == 4 * 64 * 512 and sizes["comb_recv"] == 4 * 64 * 512
-    assert sizes["signals"] == 3 * 4 * 8  # one word per rank in each signal row
+    assert sizes["signals"] == 6 * 4 * 8  # one word per rank in each signal row
+    assert all(sizes[n] == 0 for n in EP_NET_REGIONS if EP_NET_REGIONS[n].startswith("v2:"))
+    with_v2 = net_region_bytes(disp, disp, ("v2_ll", "v2"))
+    assert with_v2["relay"] == 2 * 64 * 512 and with_v2["comb_relay"] == 4 * 64 * 512  # 2 nodes; 4 ranks
+    assert with_v2["relay_meta"] == 2 * 64 * (2 * 4 + 3) * 4
+    assert {n for n in EP_NET_REGIONS if with_v2[n] != sizes[n]} == {n for n in EP_NET_REGIONS
+                                                                     if EP_NET_REGIONS[n].startswith("v2:")}
     fp32 = EpNetCfg(worldSize=4, gpuPerNode=2, hiddenDim=256, maxTokPerRank=64, numExpertPerToken=4, dtype=EpDType.Fp32)
     assert net_region_bytes(disp, fp32)["comb_recv"] == 2 * sizes["comb_recv"]
 
@@ -93,13 +99,16 @@ def test_v2_ll_variants_pick_by_token_count_and_share_the_bookkeeping_pass():
                      "ep_ll_dispatch_send", "ep_ll_combine_send", "ep_ll_combine_recv"]
 
 
-def test_auto_adds_the_threshold_edge():
+def test_auto_adds_the_threshold_edge_and_builds_both_families():
     cfg = _cfg(internode_kernel="auto", max_num_inp_token_per_rank=256, internode_auto_ll_max_tokens=100)
-    edges = [128, None]
-    assert bucket_families(cfg, [100] + edges) == ("v2_ll", "v2", "v2")
-    (gap,) = internode_gaps(cfg, "sm_90a")
-    assert "internode_kernel='auto' with max_num_inp_token_per_rank=256 > internode_auto_ll_max_tokens=100" in gap
-    assert "'v2' family" in gap and "not built yet" in gap
+    var = net_variants(cfg, "sm_90a", 132)
+    assert var.schedule.edges == (100, 128, None) and var.families == ("v2_ll", "v2", "v2")
+    assert [var.schedule.index(n) for n in (100, 101, 128, 129, 256)] == [0, 1, 1, 2, 2]
+    assert [len(d) for d in var.dispatch] == [2, 3, 3] and [len(c) for c in var.combine] == [2, 3, 3]
+    names = {s.name for s, _ in var.requests()}
+    assert names == {f"ep_{'ll' if f == 'v2_ll' else 'v2'}_{p}" for f in ("v2_ll", "v2")
+                     for leg in FAMILY_PASSES[f] for p in leg}
+    assert net_variants(_cfg(internode_kernel="v2"), "sm_90a", 132).families == ("v2",)
 
 
 def test_the_share_of_the_sms_clamps_and_refuses_pins():
@@ -110,7 +119,7 @@ def test_the_share_of_the_sms_clamps_and_refuses_pins():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"internode_kernel": "v2"}, "internode_kernel='v2' is not built yet"),
+    ({"world_size": 128, "gpu_per_node": 64}, "gpu_per_node=64 > 32"),
     ({"symm_memory": "ipc"}, "the internode arena is NVSHMEM symmetric memory"),
     ({"world_size": 6, "gpu_per_node": 4}, "world_size must be a multiple of gpu_per_node"),
 ])
@@ -168,7 +177,7 @@ def test_each_pass_is_its_own_spec_with_its_own_names_and_keys(fake_cc, monkeypa
     assert all(e.startswith("mori_epll_") and "_ws4_g2_h256_k4_" in e for e in entries)
     keys = {resolve(spec, c, tc).key for spec, c in var.requests()}
     assert len(keys) == len(var.requests())
-    assert set(NET_SPECS) == {("v2_ll", p) for p in PASSES}
+    assert set(NET_SPECS) == {(f, p) for f, legs in FAMILY_PASSES.items() for leg in legs for p in leg}
 
 
 def test_precompile_builds_the_live_ops_walk(fake_cc, monkeypatch, tmp_path, capsys):
@@ -208,17 +217,23 @@ def test_every_wait_has_a_message_and_a_timeout_names_wait_peer_and_rank():
 
 
 def test_internode_bodies_reach_the_engine_only_through_the_transport():
-    body = (REPO / "kernels" / "ep" / "ep_net_ll.hpp").read_text()
-    code = "\n".join(ln.split("//")[0] for ln in body.splitlines())
-    assert not re.search(r"\bnvshmem\w*", code), "an engine call outside kernels/transport/"
-    assert "transport::put_warp" in code and "transport::atomic_fetch_add" in code
-    assert "transport::signal_add" in code and "transport::peer_ptr" in code and "transport::quiet" in code
+    from mori_jit.ops.ep.internode_spec import FAMILY_BODIES
+    bodies = ["ep/ep_net_common.hpp"] + [header for header, _ in FAMILY_BODIES.values()]
+    code = ""
+    for rel in bodies:
+        text = (REPO / "kernels" / rel).read_text()
+        body = "\n".join(ln.split("//")[0] for ln in text.splitlines())
+        assert not re.search(r"\bnvshmem\w*", body), f"kernels/{rel}: an engine call outside kernels/transport/"
+        code += body
+    for call in ("put_warp", "put_int", "atomic_fetch_add", "signal_add", "peer_ptr", "quiet"):
+        assert f"transport::{call}(" in code, call
 
 
 # -- a real build ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtypes", [("bf16", "bf16"), ("fp8", "fp32")], ids=["bf16", "fp8-fp32"])
-def test_real_nvcc_builds_and_device_links_every_internode_pass(dtypes):
+@pytest.mark.parametrize("dtypes, kernel", [(("bf16", "bf16"), "auto"), (("fp8", "fp32"), "v2_ll")],
+                         ids=["bf16-auto", "fp8-fp32-ll"])
+def test_real_nvcc_builds_and_device_links_every_internode_pass(dtypes, kernel):
     import torch
     tc = toolchain_or_skip("sm_90a")
     try:
@@ -226,8 +241,12 @@ def test_real_nvcc_builds_and_device_links_every_internode_pass(dtypes):
     except DeviceLibraryError as e:
         pytest.skip(f"NVSHMEM absent: {e}")
     names = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
-    cfg = _cfg(dispatch_data_type=names[dtypes[0]], combine_data_type=names[dtypes[1]])
+    # auto on both sides of its threshold; one geometry, so the buckets of a family share binaries
+    cfg = _cfg(dispatch_data_type=names[dtypes[0]], combine_data_type=names[dtypes[1]], internode_kernel=kernel,
+               max_num_inp_token_per_rank=128, internode_auto_ll_max_tokens=64, dispatch_block_num=8,
+               combine_block_num=8)
     var = net_variants(cfg, "sm_90a", 132)
+    assert set(var.families) == ({"v2_ll", "v2"} if kernel == "auto" else {kernel})
     for spec, c in var.requests():
         entry = build(spec, c, tc)
         data = entry.read_binary()

@@ -1,4 +1,5 @@
-"""GPU tests of the internode EP kernels (``v2_ll`` on NVSHMEM; on a GPU machine: ``pytest -m gpu``).
+"""GPU tests of the internode EP kernels (``v2_ll``, ``v2`` and ``auto`` on NVSHMEM; on a GPU machine:
+``pytest -m gpu``).
 
 Nodes are made by ``gpu_per_node``: a peer on another "node" is reached only by NVSHMEM puts, one on
 the same node by plain stores, so with several PEs on one GPU every network put still goes through
@@ -26,7 +27,9 @@ FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
 DTYPE_PAIRS = [(BF16, BF16), (FP32, FP32), (FP8, BF16), (FP4, BF16), (BF16, FP32)]
 #: (world_size, gpu_per_node): every world size with two or more nodes
 LAYOUTS = [(ws, g) for ws, g in ((4, 2), (4, 1), (8, 4), (8, 2), (8, 1)) if ws in WORLD_SIZES]
-_POISONED = ("disp_out", "out_wts", "out_idx", "recv_to_src", "total_recv", "comb_recv", "comb_recv_wts")
+_POISONED = ("disp_out", "out_wts", "out_idx", "recv_to_src", "total_recv", "comb_recv", "comb_recv_wts", "recv_relay",
+             "comb_relay", "comb_relay_wts")
+FAMILIES = ("v2_ll", "v2")
 
 
 def _dev() -> torch.device:
@@ -100,14 +103,15 @@ def _round(op, rank, ws, gen, n, *, drop=0.0, all_to=None, ref=None):
     return total.item()
 
 
-def _golden_job(rank, ws, gpn):
+def _golden_job(rank, ws, gpn, family):
     from mori_jit.ops.ep import EpDispatchCombineOp
 
     gen = torch.Generator().manual_seed(4321 + rank)
     m = 64
     cases = [(2048, 8, d, c) for d, c in DTYPE_PAIRS] + [(7168, 8, BF16, BF16), (4096, 1, BF16, BF16)]
     for hidden, k, disp, comb in cases:
-        with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, disp, comb, m), None) as op, \
+        kw = {"internode_kernel": family}
+        with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, disp, comb, m, **kw), None) as op, \
                 EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, disp, comb, m, "torch"), None) as ref:
             assert op.memory_kind == "nvshmem"
             for n, drop, all_to in ((m, 0.0, None), (37, 0.0, None), (0, 0.0, None), (m, 0.3, None),
@@ -116,27 +120,25 @@ def _golden_job(rank, ws, gpn):
 
 
 def _auto_job(rank, ws, gpn):
-    """``auto`` on an op whose calls are all low latency: both sides of the table's 128-token edge
-    (two geometries of ``v2_ll``); an op whose larger calls need ``v2`` is refused by name."""
-    from mori_jit.ops.ep import EpDispatchCombineOp, EpUnsupportedError
+    """``auto`` switching family between calls (every rank's call on the same side of the threshold):
+    ``v2_ll`` up to 96 tokens, ``v2`` above; the device-side epochs of both stay in step."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
 
     gen = torch.Generator().manual_seed(77 + rank)
     m = 256
-    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, m, internode_kernel="auto"), None) as op, \
+    kw = {"internode_kernel": "auto", "internode_auto_ll_max_tokens": 96}
+    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, m, **kw), None) as op, \
             EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, m, "torch"), None) as ref:
-        assert op.kernels.schedule.edges == (128, None), op.kernels.schedule
-        for n in (256, 128, 129, 5, 200):
+        assert op.kernels.schedule.edges == (96, 128, None), op.kernels.schedule
+        for n in (256, 96, 97, 5, 200, 1, 128, 129, 96, 0, 256):
             _round(op, rank, ws, gen, n, ref=ref)
-    with pytest.raises(EpUnsupportedError, match=r"internode_kernel='auto' with max_num_inp_token_per_rank=1024 > "
-                                                 r"internode_auto_ll_max_tokens=512 needs the 'v2' family"):
-        EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, 1024, internode_kernel="auto"), None)
 
 
-def _rounds_job(rank, ws, gpn):
+def _rounds_job(rank, ws, gpn, family):
     from mori_jit.ops.ep import EpDispatchCombineOp
 
     gen = torch.Generator().manual_seed(99 + rank)
-    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, 64), None) as op:
+    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, 64, internode_kernel=family), None) as op:
         for i in range(200):  # no reset() between rounds: device-side epochs and counters
             _round(op, rank, ws, gen, int(torch.randint(0, 65, (1,), generator=gen)))
             if i % 50 == 0:
@@ -153,7 +155,7 @@ def _rounds_job(rank, ws, gpn):
             torch.distributed.barrier()
 
 
-def _graph_job(rank, ws, gpn):
+def _graph_job(rank, ws, gpn, family):
     from mori_jit.ops.ep import EpDispatchCombineOp
     from mori_jit.ops.ep.golden import golden_check, make_inputs
 
@@ -161,7 +163,7 @@ def _graph_job(rank, ws, gpn):
     dev = _dev()
     hidden, k, m = 2048, 8, 96
     for zero_copy in (False, True):
-        with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, BF16, BF16, m), None) as op:
+        with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, BF16, BF16, m, internode_kernel=family), None) as op:
             cfg = op.cfg
             sx, sw, sidx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
             stage = op.get_combine_input_buffer()
@@ -197,21 +199,21 @@ def _graph_job(rank, ws, gpn):
             op.check()
 
 
-def _timeout_job(rank, ws, gpn):
+def _timeout_job(rank, ws, gpn, family):
     from mori_jit.ops.ep import EpDeviceError, EpDispatchCombineOp
     from mori_jit.ops.ep.golden import make_inputs
 
     os.environ["MORI_EP_TIMEOUT_S"] = "2"
     gen = torch.Generator().manual_seed(5 + rank)
-    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 4, BF16, BF16, 32), None) as op:
+    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 4, BF16, BF16, 32, internode_kernel=family), None) as op:
         _round(op, rank, ws, gen, 32)
         torch.distributed.barrier()
         x, w, idx = make_inputs(rank, 32, 2048, 4, op.cfg.num_experts, BF16, _dev(), gen)
         if rank == 0:
             op.dispatch(x, w, None, idx)  # no other rank dispatches: rank 0's wait must give up
             torch.cuda.synchronize()
-            with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: waiting for a peer's rows .* from rank "
-                                                    r"[1-9][0-9]* timed out"):
+            with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: waiting for a (peer's rows|forwarder).* from "
+                                                    r"rank [0-9]+ timed out"):
                 op.check()
             with pytest.raises(EpDeviceError):
                 op.dispatch(x, w, None, idx)  # the next call raises too
@@ -223,37 +225,41 @@ def _timeout_job(rank, ws, gpn):
         if rank == 0:  # a combine no other rank joins
             op.combine(out, weights=out_w, routing=routing)
             torch.cuda.synchronize()
-            with pytest.raises(EpDeviceError, match=r"rank 0: combine: waiting for a peer's rows .* from rank "
-                                                    r"[1-9][0-9]* timed out"):
+            with pytest.raises(EpDeviceError, match=r"rank 0: combine: waiting for a (peer's rows|forwarder's partial "
+                                                    r"sums).* from rank [0-9]+ timed out"):
                 op.check()
         op.reset()
         _round(op, rank, ws, gen, 32)
 
 
 _LAYOUT = pytest.mark.parametrize("ws, gpn", LAYOUTS, ids=[f"ws{ws}-gpn{g}" for ws, g in LAYOUTS])
+_FAMILY = pytest.mark.parametrize("family", FAMILIES)
 
 
 @_LAYOUT
-def test_internode_golden_all_dtypes_and_parity(ws, gpn):
-    run_shmem_job(_golden_job, ws, gpn, timeout=900)
+@_FAMILY
+def test_internode_golden_all_dtypes_and_parity(ws, gpn, family):
+    run_shmem_job(_golden_job, ws, gpn, family, timeout=900)
 
 
 @_LAYOUT
-def test_internode_auto_switch(ws, gpn):
+def test_internode_auto_switches_family_between_calls(ws, gpn):
     run_shmem_job(_auto_job, ws, gpn)
 
 
 @_LAYOUT
-def test_internode_200_rounds_and_dispatch_without_combine(ws, gpn):
-    run_shmem_job(_rounds_job, ws, gpn)
+@_FAMILY
+def test_internode_200_rounds_and_dispatch_without_combine(ws, gpn, family):
+    run_shmem_job(_rounds_job, ws, gpn, family)
 
 
 @_LAYOUT
-def test_internode_graph_replay(ws, gpn):
-    run_shmem_job(_graph_job, ws, gpn)
+@_FAMILY
+def test_internode_graph_replay(ws, gpn, family):
+    run_shmem_job(_graph_job, ws, gpn, family)
 
 
 @_LAYOUT
-def test_internode_timeout_names_wait_and_rank_and_reset_recovers(ws, gpn):
-    run_shmem_job(_timeout_job, ws, gpn, timeout=300)
-
+@_FAMILY
+def test_internode_timeout_names_wait_and_rank_and_reset_recovers(ws, gpn, family):
+    run_shmem_job(_timeout_job, ws, gpn, family, timeout=300)

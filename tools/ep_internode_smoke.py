@@ -1,6 +1,7 @@
-"""One internode dispatch + combine (``v2_ll``, NVSHMEM) with step-by-step progress; prints PASS or FAIL.
+"""Internode dispatch + combine rounds (NVSHMEM) with step-by-step progress; prints PASS, FAIL or SKIP.
 
-    PYTHONPATH=. python3 tools/ep_internode_smoke.py [--ws 2] [--gpu-per-node 1] [--hidden 2048] [--k 4] [--m 32]
+    PYTHONPATH=. python3 tools/ep_internode_smoke.py [--family v2_ll|v2|auto] [--ws 2] [--gpu-per-node 1]
+        [--hidden 2048] [--k 4] [--m 32] [--rounds 3]
 
 Ranks go round-robin over the visible GPUs (``mori_jit/testing/gpu_world.py``); ranks that share a
 GPU run under CUDA MPS (started here when none runs and this is root) with each rank's
@@ -23,18 +24,18 @@ def _log(rank, msg):
     print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _job(rank, ws, gpn, hidden, k, m, rounds):
+def _job(rank, ws, gpn, hidden, k, m, rounds, family):
     faulthandler.dump_traceback_later(90, exit=False)
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
     from mori_jit.ops.ep.golden import golden_check, make_inputs
 
     cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, gpu_per_node=gpn, hidden_dim=hidden,
                                   max_num_inp_token_per_rank=m, num_experts_per_rank=max(1, 16 // ws),
-                                  num_experts_per_token=k, internode_kernel="v2_ll")
+                                  num_experts_per_token=k, internode_kernel=family)
     _log(rank, f"constructing op (MPS thread percentage {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE')})")
     with EpDispatchCombineOp(cfg) as op:
         p2p = [pe for pe, p in enumerate(op.arena.peer_bases) if p]
-        _log(rank, f"op ready: memory {op.memory_kind}, {op.arena.tensor.numel()} bytes; peers reached by "
+        _log(rank, f"op ready ({family}, buckets {op.kernels.schedule.edges}): memory {op.memory_kind}, {op.arena.tensor.numel()} bytes; peers reached by "
                    f"loads/stores (P2P) {p2p}, by puts only {sorted(set(range(ws)) - set(p2p))}; "
                    f"same node as this rank {[pe for pe in range(ws) if pe // gpn == rank // gpn]}")
         gen = torch.Generator().manual_seed(rank)
@@ -59,6 +60,7 @@ def _job(rank, ws, gpn, hidden, k, m, rounds):
 def main() -> int:
     """Run the job; print PASS, FAIL (with the error) or SKIP (why it cannot run here)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=("v2_ll", "v2", "auto"), default="v2_ll")
     ap.add_argument("--ws", type=int, default=2)
     ap.add_argument("--gpu-per-node", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -72,7 +74,7 @@ def main() -> int:
     from mori_jit.testing.gpu_world import stop_mps
     from mori_jit.testing.gpu_world_shmem import run_shmem_job
     try:
-        run_shmem_job(_job, a.ws, a.gpu_per_node, a.hidden, a.k, a.m, a.rounds, timeout=300)
+        run_shmem_job(_job, a.ws, a.gpu_per_node, a.hidden, a.k, a.m, a.rounds, a.family, timeout=300)
     except Skipped as e:
         print(f"SKIP: {e}")
         return 2

@@ -8,9 +8,9 @@ namespace mori::epnet {
 
 enum class EpDType : int { Bf16 = 0, Fp32 = 1, Fp8 = 2, Fp4x2 = 3 };
 // Which spin-wait of the internode kernels timed out (the high bits of the error detail word).
-enum NetWaitId : int { kNetWaitPeerCombine = 11, kNetWaitPeerSlots = 12, kNetWaitDispatchDone = 13, kNetWaitCombineDone = 14 };
+enum NetWaitId : int { kNetWaitPeerCombine = 11, kNetWaitPeerSlots = 12, kNetWaitDispatchDone = 13, kNetWaitCombineDone = 14, kNetWaitRelayFree = 15, kNetWaitForwardDone = 16, kNetWaitCombineForwardDone = 17 };
 // Rows of the `signals` region: one u64 word per writing rank in each row.
-enum NetSignal : int { kSigDispDone = 0, kSigSlotsFree = 1, kSigCombDone = 2 };
+enum NetSignal : int { kSigDispDone = 0, kSigSlotsFree = 1, kSigCombDone = 2, kSigRelayFree = 3, kSigFwdDone = 4, kSigCombFwdDone = 5 };
 // Device error codes (word 0 of the host-mapped error words; 0 = no error).
 enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52, kErrPeerShortInput = 0x50534852 };
 // How far a done counter moves per epoch.
@@ -43,7 +43,7 @@ constexpr int NetNumExperts(const EpNetCfg& c) { return (c.numExpertPerRank * c.
 // the dtype can be reduced (combine passes)
 constexpr bool NetSummable(const EpNetCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the internode kernels can be built and are correct for this config
-constexpr bool NetIsValid(const EpNetCfg& c) { return ((((((((((((((((c.worldSize >= 2) && (c.worldSize <= 1024)) && (c.gpuPerNode >= 1)) && ((c.worldSize % ((c.gpuPerNode > 1) ? c.gpuPerNode : 1)) == 0)) && (c.hiddenDim >= 1)) && ((NetTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && (c.waveSize == 32)) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (NetBlockThreads(c) <= 1024)); }
+constexpr bool NetIsValid(const EpNetCfg& c) { return (((((((((((((((((c.worldSize >= 2) && (c.worldSize <= 1024)) && (c.gpuPerNode >= 1)) && (c.gpuPerNode <= 32)) && ((c.worldSize % ((c.gpuPerNode > 1) ? c.gpuPerNode : 1)) == 0)) && (c.hiddenDim >= 1)) && ((NetTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && (c.waveSize == 32)) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (NetBlockThreads(c) <= 1024)); }
 
 struct EpNetArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]
@@ -72,6 +72,13 @@ struct EpNetArgs {
   uint64_t off_comb_stage_wts;  // combine weights staged for puts [maxRecv, k] f32 (local)
   uint64_t off_signals;  // done and free signals [NetSignal rows, worldSize] u64, by writing rank (written by peers)
   uint64_t off_sync;  // local words [4] u64: word 0 the error-report claim
+  uint64_t off_relay;  // v2: rows to forward [nodes, M, tokenBytes] (written by the sources of this local index)
+  uint64_t off_relay_meta;  // v2: their metadata [nodes, M, 2k+3] i32: weights, ids, source, node mask, epoch (written by sources)
+  uint64_t off_relay_stage_meta;  // v2: metadata staged for puts [M, nodes, 2k+3] i32 (local)
+  uint64_t off_relay_out_cnt;  // v2: relay slots claimed per destination node [nodes] i32 (local; reset by dispatch_recv)
+  uint64_t off_recv_relay;  // v2: relay index of each received row [maxRecv] i32 (written by this node's forwarders)
+  uint64_t off_comb_relay;  // v2: combine rows to sum [nodes * M, gpuPerNode, combTokenBytes] (written by this node's ranks)
+  uint64_t off_comb_relay_wts;  // v2: their weights [nodes * M, gpuPerNode, k] f32 (written by this node's ranks)
 };
 static_assert(offsetof(EpNetArgs, inpTok) == 0, "EpNetArgs.inpTok moved");
 static_assert(offsetof(EpNetArgs, inpWeights) == 8, "EpNetArgs.inpWeights moved");
@@ -99,7 +106,14 @@ static_assert(offsetof(EpNetArgs, off_comb_stage) == 168, "EpNetArgs.off_comb_st
 static_assert(offsetof(EpNetArgs, off_comb_stage_wts) == 176, "EpNetArgs.off_comb_stage_wts moved");
 static_assert(offsetof(EpNetArgs, off_signals) == 184, "EpNetArgs.off_signals moved");
 static_assert(offsetof(EpNetArgs, off_sync) == 192, "EpNetArgs.off_sync moved");
-static_assert(sizeof(EpNetArgs) == 200, "EpNetArgs size changed");
+static_assert(offsetof(EpNetArgs, off_relay) == 200, "EpNetArgs.off_relay moved");
+static_assert(offsetof(EpNetArgs, off_relay_meta) == 208, "EpNetArgs.off_relay_meta moved");
+static_assert(offsetof(EpNetArgs, off_relay_stage_meta) == 216, "EpNetArgs.off_relay_stage_meta moved");
+static_assert(offsetof(EpNetArgs, off_relay_out_cnt) == 224, "EpNetArgs.off_relay_out_cnt moved");
+static_assert(offsetof(EpNetArgs, off_recv_relay) == 232, "EpNetArgs.off_recv_relay moved");
+static_assert(offsetof(EpNetArgs, off_comb_relay) == 240, "EpNetArgs.off_comb_relay moved");
+static_assert(offsetof(EpNetArgs, off_comb_relay_wts) == 248, "EpNetArgs.off_comb_relay_wts moved");
+static_assert(sizeof(EpNetArgs) == 256, "EpNetArgs size changed");
 
 }  // namespace mori::epnet
 #endif  // MORI_JIT_GEN_EP_EP_NET_GENERATED_HPP

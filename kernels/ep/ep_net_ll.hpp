@@ -20,93 +20,9 @@
 // a captured graph stays right on every replay); a rank's own count is complete when the pass
 // that follows its send pass reads it.
 #pragma once
-#include "common/types.hpp"
-#include "ep/ep_net_generated.hpp"
+#include "ep/ep_net_common.hpp"
 
 namespace mori::epnet {
-
-using plat::vec16_t;
-
-template <typename P>
-MORI_DEVICE P* Local(const EpNetArgs& a, uint64_t off) {
-  return reinterpret_cast<P*>(a.base + off);
-}
-
-// Row `row` of the signals region: one u64 word per writing rank.
-template <EpNetCfg kCfg>
-MORI_DEVICE uint64_t* Signals(const EpNetArgs& a, NetSignal row) {
-  return Local<uint64_t>(a, a.off_signals) + uint64_t(row) * kCfg.worldSize;
-}
-
-// The first thread of this rank to fail claims the error words (sync word 0), so the host reads
-// one report whole, and it is the first error until op.reset().
-MORI_DEVICE void RecordError(const EpNetArgs& a, ErrCode code, uint64_t detail, uint64_t extra) {
-  if (plat::atomic_add_device(reinterpret_cast<unsigned*>(Local<uint64_t>(a, a.off_sync)), 1u) != 0) return;
-  volatile uint64_t* err = a.errWord;
-  err[1] = detail;
-  err[2] = extra;
-  plat::fence_system();
-  err[0] = code;
-}
-
-MORI_DEVICE constexpr uint64_t TimeoutDetail(NetWaitId wait, uint64_t peer, uint64_t rank) {
-  return (uint64_t(wait) << 48) | (peer << 32) | (rank << 16);
-}
-
-// Spin until *flag >= target (a word peers signal); gives up after args.timeoutNs and records which
-// wait, for which peer, on which rank.
-MORI_DEVICE void WaitAtLeast(const EpNetArgs& a, const uint64_t* flag, uint64_t target, NetWaitId wait, int peer) {
-  if (plat::load_acquire_system(flag) >= target) return;
-  const uint64_t t0 = plat::now_ns();
-  while (plat::load_acquire_system(flag) < target) {
-    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      RecordError(a, kErrTimeout, TimeoutDetail(wait, peer, a.rank), target);
-      return;
-    }
-  }
-}
-
-// Wait, thread by thread over the peers, until every rank's word of `row` reaches `target`.
-template <EpNetCfg kCfg>
-MORI_DEVICE void WaitEveryRank(const EpNetArgs& a, NetSignal row, uint64_t target, NetWaitId wait) {
-  const uint64_t* words = Signals<kCfg>(a, row);
-  for (int pe = threadIdx.x; pe < kCfg.worldSize; pe += blockDim.x) WaitAtLeast(a, words + pe, target, wait, pe);
-  __syncthreads();
-}
-
-// This block's share of a done unit: a rank's blocks add kDoneUnit in all per epoch, whatever its
-// grid (a launch's partial sum stays below a unit, so count / kDoneUnit is the epochs done).
-MORI_DEVICE uint64_t BlockShare() { return blockIdx.x == 0 ? kDoneUnit - (gridDim.x - 1) : 1; }
-
-// After every thread of the block issued its stores and puts: complete them, then add `value` to
-// this rank's word of `row` on every rank. Each warp completes its own puts (a network transport
-// may give warps their own queues); thread 0's fence after the barrier is cumulative over the
-// block's plain stores to peers.
-template <EpNetCfg kCfg>
-MORI_DEVICE void SignalEveryRank(const EpNetArgs& a, NetSignal row, uint64_t value) {
-  if (plat::lane_id() == 0) transport::quiet();
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  plat::fence_system();
-  transport::quiet();
-  uint64_t* word = Signals<kCfg>(a, row) + a.rank;
-  for (int pe = 0; pe < kCfg.worldSize; ++pe) transport::signal_add(word, value, pe);
-}
-
-// The warp copies `bytes` (a multiple of 16) from src to dst with 16-byte vectors.
-MORI_DEVICE void WarpCopy(void* dst, const void* src, int bytes) {
-  auto* d = static_cast<vec16_t*>(dst);
-  const auto* s = static_cast<const vec16_t*>(src);
-  for (int v = plat::lane_id(); v < bytes / 16; v += plat::kWaveSize) d[v] = s[v];
-}
-
-// A pointer to `p` on `pe` for plain stores when `pe` is on this node and reachable by them; null
-// when the row must travel as a put (another node: the network's path, even where P2P would reach).
-template <EpNetCfg kCfg, typename P>
-MORI_DEVICE P* Direct(const EpNetArgs& a, P* p, int pe) {
-  if (pe / kCfg.gpuPerNode != a.rank / kCfg.gpuPerNode) return nullptr;
-  return transport::peer_ptr(p, pe);
-}
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetLlDispatchSend(const EpNetArgs& a) {
@@ -114,8 +30,8 @@ MORI_DEVICE void NetLlDispatchSend(const EpNetArgs& a) {
   const int rank = a.rank, lane = plat::lane_id();
   // this rank's epochs: its own counts (the previous combine is complete; this launch's shares of
   // the dispatch count stay below a unit)
-  const uint64_t de = plat::load_acquire_system(Signals<kCfg>(a, kSigDispDone) + rank) / kDoneUnit;
-  const uint64_t ce = plat::load_acquire_system(Signals<kCfg>(a, kSigCombDone) + rank) / kDoneUnit;
+  const uint64_t de = OwnCount<kCfg>(a, kSigDispDone) / kDoneUnit;
+  const uint64_t ce = OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit;
   WaitEveryRank<kCfg>(a, kSigCombDone, ce * kDoneUnit, kNetWaitPeerCombine);
   WaitEveryRank<kCfg>(a, kSigSlotsFree, de, kNetWaitPeerSlots);
 
@@ -174,7 +90,7 @@ MORI_DEVICE void NetLlDispatchSend(const EpNetArgs& a) {
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetLlDispatchRecv(const EpNetArgs& a) {
   // this rank's own done count is complete (its send pass has ended): every source reaches it
-  const uint64_t target = plat::load_acquire_system(Signals<kCfg>(a, kSigDispDone) + a.rank);
+  const uint64_t target = OwnCount<kCfg>(a, kSigDispDone);
   WaitEveryRank<kCfg>(a, kSigDispDone, target, kNetWaitDispatchDone);
   if (threadIdx.x == 0) {
     int* cnt = Local<int>(a, a.off_recv_cnt);
@@ -219,40 +135,10 @@ MORI_DEVICE void NetLlCombineSend(const EpNetArgs& a) {
   SignalEveryRank<kCfg>(a, kSigCombDone, BlockShare());
 }
 
-// fp32 accumulation of 16-byte vectors of T (bf16: 8 values, fp32: 4).
-template <typename T>
-struct VecSum {
-  static constexpr int kN = 16 / sizeof(T);
-  float v[kN] = {};
-
-  MORI_DEVICE void add(vec16_t x) {
-    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-    if constexpr (sizeof(T) == 4) {
-      for (int i = 0; i < 4; ++i) v[i] += __uint_as_float(w[i]);
-    } else {
-      for (int i = 0; i < 4; ++i) {
-        v[2 * i] += to_f32(T{uint16_t(w[i] & 0xFFFFu)});
-        v[2 * i + 1] += to_f32(T{uint16_t(w[i] >> 16)});
-      }
-    }
-  }
-
-  MORI_DEVICE vec16_t pack() const {
-    uint32_t w[4];
-    if constexpr (sizeof(T) == 4) {
-      for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(v[i]);
-    } else {
-      for (int i = 0; i < 4; ++i)
-        w[i] = uint32_t(from_f32<T>(v[2 * i]).bits) | (uint32_t(from_f32<T>(v[2 * i + 1]).bits) << 16);
-    }
-    return vec16_t{w[0], w[1], w[2], w[3]};
-  }
-};
-
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetLlCombineRecv(const EpNetArgs& a) {
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
-  const uint64_t target = plat::load_acquire_system(Signals<kCfg>(a, kSigCombDone) + a.rank);
+  const uint64_t target = OwnCount<kCfg>(a, kSigCombDone);
   WaitEveryRank<kCfg>(a, kSigCombDone, target, kNetWaitCombineDone);
   const int lane = plat::lane_id();
   const int* tok_dest = Local<int>(a, a.off_tok_dest);

@@ -1,7 +1,7 @@
-"""The ``hip`` backend's internode kernel set: the ``v2_ll`` passes on an NVSHMEM arena.
+"""The ``hip`` backend's internode kernel set: the ``v2_ll`` and ``v2`` passes on an NVSHMEM arena.
 
-Each leg is one :class:`~mori_jit.jit.plan.LaunchGroup` per bucket (dispatch: ``dispatch_send``,
-``dispatch_recv``; combine: ``combine_send``, ``combine_recv``) over one args struct per leg,
+Each leg is one :class:`~mori_jit.jit.plan.LaunchGroup` per bucket (its family's passes of that
+leg, ``internode_cfg.FAMILY_PASSES``) over one args struct per leg,
 rewritten per call: no compile, no host sync, so a whole step can be captured in a CUDA graph.
 Device errors (timed-out waits, a short combine input) land in host-mapped words that the next
 call reads without syncing. Outputs and the routing are the intranode op's (same contract).
@@ -19,8 +19,7 @@ from . import knobs
 from .arena import SymmArena
 from .backend_hip import CombineOutputs, HipRouting, _weights_ptr
 from .config import EpDispatchCombineConfig
-from .internode_cfg import (COMBINE_PASSES, DISPATCH_PASSES, EP_NET_ARGS, EP_NET_REGIONS, ErrCode, NetMaxRecv,
-                            NetWaitId, net_region_bytes)
+from .internode_cfg import EP_NET_ARGS, EP_NET_REGIONS, FAMILY_PASSES, ErrCode, NetMaxRecv, NetWaitId, net_region_bytes
 from .internode_spec import net_spec
 from .internode_variants import NetVariants
 from .op import EpDeviceError, KernelSet
@@ -33,9 +32,12 @@ NET_WAIT_MESSAGES = {
     NetWaitId.kNetWaitPeerSlots: "dispatch: waiting for a peer to free its receive slots after its previous dispatch",
     NetWaitId.kNetWaitDispatchDone: "dispatch: waiting for a peer's rows (its dispatch-done signal)",
     NetWaitId.kNetWaitCombineDone: "combine: waiting for a peer's rows (its combine-done signal)",
+    NetWaitId.kNetWaitRelayFree: "dispatch: waiting for a forwarder to free its relay rows after its previous dispatch",
+    NetWaitId.kNetWaitForwardDone: "dispatch: waiting for a forwarder of this node (its forward-done signal)",
+    NetWaitId.kNetWaitCombineForwardDone: "combine: waiting for a forwarder's partial sums (its forward-done signal)",
 }
-#: Counters, signals and error claims: zeroed by reset().
-NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "sync")
+#: Counters, signals, epoch tags and error claims: zeroed by reset().
+NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "sync", "relay_meta", "relay_out_cnt")
 
 
 def decode_net_error(words: list[int]) -> str:
@@ -59,11 +61,11 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
     build_many(requests, toolchain)  # misses compile in parallel; loading stays on this thread
     plans = {(spec.name, c): prepare(spec, c, toolchain, device) for spec, c in requests}
 
-    def group_of(family, passes, cfgs):  # one LaunchGroup per (bucket, leg): its passes in order
-        return LaunchGroup(plans[(net_spec(family, p).name, c)] for p, c in zip(passes, cfgs))
+    def group_of(family, leg, cfgs):  # one LaunchGroup per (bucket, leg): its passes in order
+        return LaunchGroup(plans[(net_spec(family, p).name, c)] for p, c in zip(FAMILY_PASSES[family][leg], cfgs))
 
-    disp_groups = [group_of(f, DISPATCH_PASSES, d) for f, d in zip(var.families, var.dispatch)]
-    comb_groups = [group_of(f, COMBINE_PASSES, c) for f, c in zip(var.families, var.combine)]
+    disp_groups = [group_of(f, 0, d) for f, d in zip(var.families, var.dispatch)]
+    comb_groups = [group_of(f, 1, c) for f, c in zip(var.families, var.combine)]
 
     err = torch.zeros(4, dtype=torch.int64, pin_memory=True)  # host-mapped: read without a sync
     err_words = (ctypes.c_uint64 * 4).from_address(err.data_ptr())
@@ -142,4 +144,4 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
 
 def net_regions(var: NetVariants) -> dict[str, int]:
     """Region sizes of the internode arena for ``var`` (every bucket shares one shape)."""
-    return net_region_bytes(var.dispatch[0][0], var.combine[0][0])
+    return net_region_bytes(var.dispatch[0][0], var.combine[0][0], var.families)

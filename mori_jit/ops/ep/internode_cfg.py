@@ -6,10 +6,10 @@ reach peers through the SHMEM engine (``kernels/transport/``), so their arena is
 symmetric memory and addresses are this rank's (the engine maps them to a peer's); region offsets
 and the rank are runtime arguments, never Cfg fields (docs/design.md §11).
 
-A leg is a sequence of passes, each its own kernel (spec, entry name, key), launched as one group:
-a dispatch is ``dispatch_send`` then ``dispatch_recv``, a combine ``combine_send`` then
-``combine_recv``. Stream order between the passes of one rank replaces any wait of a block on
-another block of the same rank, so no grid needs to be resident as a whole.
+A leg is a sequence of passes (:data:`FAMILY_PASSES`), each its own kernel (spec, entry name,
+key), launched as one group: ``v2_ll`` sends then receives, ``v2`` sends, forwards inside the node,
+then receives. Stream order between the passes of one rank replaces any wait of a block on another
+block of the same rank, so no grid needs to be resident as a whole.
 """
 from __future__ import annotations
 
@@ -26,14 +26,20 @@ from .contract import ROW_ALIGN
 from .kernel_cfg import EpDType, ErrCode, FlagUnit
 
 __all__ = ["EpNetCfg", "NetWaitId", "NetSignal", "EP_NET_ARGS", "EP_NET_REGIONS", "EP_NET_MAX_RANKS", "PASSES",
+           "FAMILY_PASSES",
            "DISPATCH_PASSES", "COMBINE_PASSES", "TRANSPORTS", "make_net_cfg", "net_region_bytes", "net_cfg_problems",
            "NetTokenBytes", "NetBlockThreads", "NetMaxRecv", "NetNumExperts", "NetIsValid"]
 
 #: Most ranks an internode op spans (the signal rows are one word per rank).
 EP_NET_MAX_RANKS = 1024
-#: The passes of each leg, in launch order.
-DISPATCH_PASSES = ("dispatch_send", "dispatch_recv")
-COMBINE_PASSES = ("combine_send", "combine_recv")
+#: Each family's passes, per leg (dispatch, combine), in launch order.
+FAMILY_PASSES = {
+    "v2_ll": (("dispatch_send", "dispatch_recv"), ("combine_send", "combine_recv")),
+    "v2": (("dispatch_send", "dispatch_forward", "dispatch_recv"), ("combine_send", "combine_forward", "combine_recv")),
+}
+#: Every pass name of each leg, and of both.
+DISPATCH_PASSES = tuple(dict.fromkeys(p for legs in FAMILY_PASSES.values() for p in legs[0]))
+COMBINE_PASSES = tuple(dict.fromkeys(p for legs in FAMILY_PASSES.values() for p in legs[1]))
 PASSES = DISPATCH_PASSES + COMBINE_PASSES
 #: The transport header (``kernels/transport/<name>.hpp``) of each vendor that has one.
 TRANSPORTS = {"nvidia": "nvshmem"}
@@ -46,8 +52,11 @@ class NetWaitId(CConst):
 
     kNetWaitPeerCombine = 11  # dispatch_send: a peer has not finished reading its previous combine input
     kNetWaitPeerSlots = 12  # dispatch_send: a peer has not reset its receive slots after its previous dispatch
-    kNetWaitDispatchDone = 13  # dispatch_recv: a peer's dispatch_send has not signalled done
-    kNetWaitCombineDone = 14  # combine_recv: a peer's combine_send has not signalled done
+    kNetWaitDispatchDone = 13  # dispatch_recv (v2: dispatch_forward): a peer's dispatch_send has not signalled done
+    kNetWaitCombineDone = 14  # combine_recv (v2: combine_forward): a peer's combine_send has not signalled done
+    kNetWaitRelayFree = 15  # v2 dispatch_send: a forwarder has not forwarded its previous relay rows
+    kNetWaitForwardDone = 16  # v2 dispatch_recv: a forwarder of this node has not signalled done
+    kNetWaitCombineForwardDone = 17  # v2 combine_recv: a forwarder has not sent its node's partial sums
 
 
 class NetSignal(CConst):
@@ -56,6 +65,9 @@ class NetSignal(CConst):
     kSigDispDone = 0  # a source's dispatch_send is done (FlagUnit.kDoneUnit per epoch, shared by its blocks)
     kSigSlotsFree = 1  # a destination reset its receive slot counter (1 per dispatch)
     kSigCombDone = 2  # a rank's combine_send is done (FlagUnit.kDoneUnit per epoch): its input is read
+    kSigRelayFree = 3  # v2: a forwarder has forwarded its relay rows (kDoneUnit per epoch)
+    kSigFwdDone = 4  # v2: a forwarder's rows are written on its node (kDoneUnit per epoch)
+    kSigCombFwdDone = 5  # v2: a forwarder's partial sums are written on the sources (kDoneUnit per epoch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +105,7 @@ _RULES: list[tuple[Any, str]] = [
     (C.worldSize >= 2, "worldSize must be >= 2 (internode)"),
     (C.worldSize <= EP_NET_MAX_RANKS, f"worldSize must be <= {EP_NET_MAX_RANKS}"),
     (C.gpuPerNode >= 1, "gpuPerNode must be >= 1"),
+    (C.gpuPerNode <= 32, "gpuPerNode must be <= 32 (a node's ranks are a 32-bit mask)"),
     ((C.worldSize % max_(C.gpuPerNode, 1)).eq(0), "worldSize must be a multiple of gpuPerNode (every node holds as many ranks)"),
     (C.hiddenDim >= 1, "hiddenDim must be >= 1"),
     ((NetTokenBytes % ROW_ALIGN).eq(0), f"token bytes (hiddenDim * element bytes) must be a multiple of {ROW_ALIGN}"),
@@ -144,6 +157,14 @@ EP_NET_REGIONS: dict[str, str] = {
     "comb_stage_wts": "combine weights staged for puts [maxRecv, k] f32 (local)",
     "signals": "done and free signals [NetSignal rows, worldSize] u64, by writing rank (written by peers)",
     "sync": "local words [4] u64: word 0 the error-report claim",
+    # v2 only (empty otherwise); relay index j = source node * M + relay slot
+    "relay": "v2: rows to forward [nodes, M, tokenBytes] (written by the sources of this local index)",
+    "relay_meta": "v2: their metadata [nodes, M, 2k+3] i32: weights, ids, source, node mask, epoch (written by sources)",
+    "relay_stage_meta": "v2: metadata staged for puts [M, nodes, 2k+3] i32 (local)",
+    "relay_out_cnt": "v2: relay slots claimed per destination node [nodes] i32 (local; reset by dispatch_recv)",
+    "recv_relay": "v2: relay index of each received row [maxRecv] i32 (written by this node's forwarders)",
+    "comb_relay": "v2: combine rows to sum [nodes * M, gpuPerNode, combTokenBytes] (written by this node's ranks)",
+    "comb_relay_wts": "v2: their weights [nodes * M, gpuPerNode, k] f32 (written by this node's ranks)",
 }
 
 EP_NET_ARGS = ArgsSchema("EpNetArgs", [
@@ -168,15 +189,21 @@ register_header(GeneratedHeader(
     args=[EP_NET_ARGS]))
 
 
-def net_region_bytes(disp: EpNetCfg, comb: EpNetCfg) -> dict[str, int]:
-    """Bytes of each region for dispatch passes of ``disp`` and combine passes of ``comb`` (one shape)."""
+def net_region_bytes(disp: EpNetCfg, comb: EpNetCfg, families=("v2_ll",)) -> dict[str, int]:
+    """Bytes of each region for dispatch passes of ``disp`` and combine passes of ``comb`` (one
+    shape) of an op that builds ``families`` (the ``v2`` regions are empty without ``v2``)."""
     recv, k, m, ws = NetMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank, disp.worldSize
     tok, ctok = NetTokenBytes(disp), NetTokenBytes(comb)
+    nodes, v2 = ws // disp.gpuPerNode, int("v2" in families)
+    meta = (2 * k + 3) * 4
     return {
         "disp_out": recv * tok, "out_wts": recv * k * 4, "out_idx": recv * k * 4, "recv_to_src": recv * 4,
         "recv_cnt": 4, "total_recv": 4, "tok_dest": m * k * 4, "disp_stage": m * tok, "disp_stage_meta": m * 2 * k * 4,
         "comb_recv": ws * m * ctok, "comb_recv_wts": ws * m * k * 4, "comb_stage": recv * ctok,
         "comb_stage_wts": recv * k * 4, "signals": len(NetSignal) * ws * 8, "sync": 4 * 8,
+        "relay": v2 * nodes * m * tok, "relay_meta": v2 * nodes * m * meta, "relay_stage_meta": v2 * m * nodes * meta,
+        "relay_out_cnt": v2 * nodes * 4, "recv_relay": v2 * recv * 4, "comb_relay": v2 * ws * m * ctok,
+        "comb_relay_wts": v2 * ws * m * k * 4,
     }
 
 

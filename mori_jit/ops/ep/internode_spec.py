@@ -1,7 +1,9 @@
 """The internode EP kernel specs: one spec per (family, pass), each its own entry names and keys.
 
-Today's family is ``v2_ll`` (low latency, ``kernels/ep/ep_net_ll.hpp``); its passes are
-``ep_ll_dispatch_send``, ``ep_ll_dispatch_recv``, ``ep_ll_combine_send`` and ``ep_ll_combine_recv``.
+``v2_ll`` (low latency, ``kernels/ep/ep_net_ll.hpp``): ``ep_ll_dispatch_send``,
+``ep_ll_dispatch_recv``, ``ep_ll_combine_send``, ``ep_ll_combine_recv``; ``v2`` (hierarchical,
+``kernels/ep/ep_net_v2.hpp``): ``ep_v2_dispatch_send``, ``ep_v2_dispatch_forward``,
+``ep_v2_dispatch_recv``, ``ep_v2_combine_send``, ``ep_v2_combine_forward``, ``ep_v2_combine_recv``.
 Every spec is device-linked against NVSHMEM (its module joins the process's NVSHMEM instance when
 loaded) and renders the transport header of its vendor; AMD has none here.
 """
@@ -13,7 +15,7 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain, ToolchainError
 
-from .internode_cfg import EP_NET_ARGS, PASSES, TRANSPORTS, EpNetCfg, NetBlockThreads, make_net_cfg
+from .internode_cfg import EP_NET_ARGS, TRANSPORTS, EpNetCfg, NetBlockThreads, make_net_cfg
 from .specs import ELEM_TYPES
 
 __all__ = ["EpNetSpec", "NET_SPECS", "FAMILY_BODIES", "TRANSPORTS", "net_spec"]
@@ -22,12 +24,16 @@ __all__ = ["EpNetSpec", "NET_SPECS", "FAMILY_BODIES", "TRANSPORTS", "net_spec"]
 FAMILY_BODIES = {
     "v2_ll": ("ep/ep_net_ll.hpp", {"dispatch_send": "NetLlDispatchSend", "dispatch_recv": "NetLlDispatchRecv",
                                    "combine_send": "NetLlCombineSend", "combine_recv": "NetLlCombineRecv"}),
+    "v2": ("ep/ep_net_v2.hpp", {"dispatch_send": "NetV2DispatchSend", "dispatch_forward": "NetV2DispatchForward",
+                                "dispatch_recv": "NetV2DispatchRecv", "combine_send": "NetV2CombineSend",
+                                "combine_forward": "NetV2CombineForward", "combine_recv": "NetV2CombineRecv"}),
 }
 _SHORT = {"v2_ll": "ll", "v2": "v2"}  # (spec and entry names)
 
 
 class EpNetSpec(Spec):
-    """One pass of one internode family (``family``: ``v2_ll``; ``pass_name``: one of ``PASSES``)."""
+    """One pass of one internode family (``family``: ``v2_ll`` or ``v2``; ``pass_name``: one of
+    its passes, ``internode_cfg.FAMILY_PASSES``)."""
 
     cfg_type = EpNetCfg
     args = EP_NET_ARGS
@@ -36,9 +42,9 @@ class EpNetSpec(Spec):
     device_libraries = (NVSHMEM,)
 
     def __init__(self, family: str, pass_name: str):
-        if family not in FAMILY_BODIES or pass_name not in PASSES:
+        if family not in FAMILY_BODIES or pass_name not in FAMILY_BODIES[family][1]:
             raise ValueError(f"internode spec: family {family!r} (built: {tuple(FAMILY_BODIES)}), pass {pass_name!r} "
-                             f"(one of {PASSES})")
+                             f"(its passes: {tuple(FAMILY_BODIES.get(family, ('', {}))[1])})")
         self.family, self.pass_name = family, pass_name
         self.name = f"ep_{_SHORT[family]}_{pass_name}"
 
@@ -76,7 +82,8 @@ class EpNetSpec(Spec):
                 "elem_t": ELEM_TYPES[cfg.dtype]}
 
 
-NET_SPECS = {(family, p): register(EpNetSpec(family, p)) for family in FAMILY_BODIES for p in PASSES}
+NET_SPECS = {(family, p): register(EpNetSpec(family, p)) for family, (_, bodies) in FAMILY_BODIES.items()
+             for p in bodies}
 
 
 def net_spec(family: str, pass_name: str) -> EpNetSpec:

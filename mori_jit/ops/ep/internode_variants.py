@@ -5,7 +5,9 @@ table's edges, plus ``internode_auto_ll_max_tokens`` under ``auto``), each bucke
 (``v2_ll`` or ``v2``) and the EpNetCfg of each pass of each leg. ``auto`` switches family by the
 launch's token count: a bucket of at most ``internode_auto_ll_max_tokens`` tokens takes ``v2_ll``,
 a larger one ``v2``; buckets no call can reach (above ``max_num_inp_token_per_rank``) are left out,
-so an op whose every call is small builds only ``v2_ll``.
+so an op whose every call is small builds only ``v2_ll``. Every rank of one call must fall on the
+same side of the threshold (the families speak different protocols; ranks that differ time out):
+an op's calls switch together, e.g. between prefill and decode.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import vendor_of
 
 from .config import EpDispatchCombineConfig
-from .internode_cfg import COMBINE_PASSES, DISPATCH_PASSES, EP_NET_MAX_RANKS, EpNetCfg, make_net_cfg
+from .internode_cfg import EP_NET_MAX_RANKS, FAMILY_PASSES, EpNetCfg, make_net_cfg
 from .internode_tuning import net_rows
 from .kernel_cfg import EpDType
 from .schedule import Schedule
@@ -24,7 +26,7 @@ from .schedule import Schedule
 __all__ = ["NetVariants", "net_variants", "internode_gaps", "bucket_families", "BUILT_FAMILIES"]
 
 #: The internode families whose kernels exist (see internode_spec.FAMILY_BODIES).
-BUILT_FAMILIES = ("v2_ll",)
+BUILT_FAMILIES = ("v2_ll", "v2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,15 +35,15 @@ class NetVariants:
 
     schedule: Schedule
     families: tuple[str, ...]
-    dispatch: tuple[tuple[EpNetCfg, ...], ...]  # per bucket: one per DISPATCH_PASSES
-    combine: tuple[tuple[EpNetCfg, ...], ...]  # per bucket: one per COMBINE_PASSES
+    dispatch: tuple[tuple[EpNetCfg, ...], ...]  # per bucket: one per dispatch pass of its family
+    combine: tuple[tuple[EpNetCfg, ...], ...]  # per bucket: one per combine pass of its family
 
     def requests(self) -> list[tuple]:
         """The distinct ``(spec, EpNetCfg)`` pairs to prepare, in launch order."""
         from .internode_spec import net_spec
         out: dict = {}
         for fam, disp, comb in zip(self.families, self.dispatch, self.combine):
-            for p, c in zip(DISPATCH_PASSES + COMBINE_PASSES, disp + comb):
+            for p, c in zip(FAMILY_PASSES[fam][0] + FAMILY_PASSES[fam][1], disp + comb):
                 out.setdefault((net_spec(fam, p), c), None)
         return list(out)
 
@@ -78,6 +80,8 @@ def internode_gaps(cfg: EpDispatchCombineConfig, arch: Optional[str] = None) -> 
     missing = []
     if cfg.world_size % cfg.gpu_per_node:
         missing.append(f"{where}: world_size must be a multiple of gpu_per_node (every node holds as many ranks)")
+    if cfg.gpu_per_node > 32:
+        missing.append(f"{where}: gpu_per_node={cfg.gpu_per_node} > 32 (a node's ranks are a 32-bit mask)")
     if cfg.world_size > EP_NET_MAX_RANKS:
         missing.append(f"{where}: world_size={cfg.world_size} > {EP_NET_MAX_RANKS}")
     if cfg.symm_memory != "auto":
@@ -133,14 +137,15 @@ def net_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_pe
               "numExpertPerToken": cfg.num_experts_per_token, "maxRecv": cfg.max_total_recv_tokens}
     disp_dtype, comb_dtype = EpDType.coerce(cfg.dispatch_dtype), EpDType.coerce(cfg.combine_dtype)
     disp, comb, sched_d, sched_c = [], [], [], []
-    for edge in edges:
+    for edge, fam in zip(edges, families):
         top = edge if edge is not None else cfg.max_num_inp_token_per_rank
         row = next(r for r in rows if r[0] is None or r[0] >= top)
         _, db, _, dw, cb, _, cw = row
+        disp_passes, comb_passes = FAMILY_PASSES[fam]
         disp.append(tuple(make_net_cfg(p, arch, {**common, "dtype": disp_dtype, "blockNum": db, "warpPerBlock": dw})
-                          for p in DISPATCH_PASSES))
+                          for p in disp_passes))
         comb.append(tuple(make_net_cfg(p, arch, {**common, "dtype": comb_dtype, "blockNum": cb, "warpPerBlock": cw})
-                          for p in COMBINE_PASSES))
+                          for p in comb_passes))
         sched_d.append((db, dw))
         sched_c.append((cb, cw))
     return NetVariants(Schedule(tuple(edges), tuple(sched_d), tuple(sched_c)), families, tuple(disp), tuple(comb))
