@@ -280,3 +280,46 @@ def test_plain_precompile_builds_internode_passes_only_where_they_can_be(fake_cc
     assert spec.precompile_cfgs(make_toolchain("sm_90a")) == []  # NVSHMEM not installed there
     with pytest.raises(ConfigError, match=r"no SHMEM transport for gfx90a \(amd\); they run on NVSHMEM"):
         spec.default_cfg(make_toolchain("gfx90a"))
+
+
+# -- the NVSHMEM arena's checks --------------------------------------------------------------------
+
+def _nvshmem_gap_job(rank, ws):
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from mori_jit.ops.ep.nvshmem_memory import nvshmem_gap
+    sub = dist.new_group([1])  # (collective: every rank creates it)
+    symm_mem.is_nvshmem_available = lambda: False  # this torch build, as a CUDA build without NVSHMEM
+    assert "NVSHMEM is not available to torch" in nvshmem_gap(dist.group.WORLD)
+    symm_mem.is_nvshmem_available = lambda: True
+    assert nvshmem_gap(dist.group.WORLD) is None
+    if rank == 1:
+        assert nvshmem_gap(sub) == ("the op's group (rank 0 of 1) is not the whole default group (rank 1 of 2): "
+                                    "NVSHMEM's PEs are the default group's ranks")
+
+
+def test_the_nvshmem_arena_needs_nvshmem_and_the_default_group():
+    from mori_jit.testing.distributed import run_distributed
+    run_distributed(_nvshmem_gap_job, 2, timeout=120)
+
+
+def test_the_backend_is_chosen_once_and_a_fixed_other_one_is_named(monkeypatch):
+    from types import SimpleNamespace
+
+    from mori_jit.ops.ep import nvshmem_memory
+
+    calls = []
+
+    def refuse(name):
+        calls.append(name)
+        raise RuntimeError("cannot change the backend after an allocation")
+
+    monkeypatch.setattr(nvshmem_memory, "_BACKEND_CHOSEN", False)
+    fixed = SimpleNamespace(get_backend=lambda dev: "CUDA", set_backend=refuse)
+    with pytest.raises(RuntimeError, match=r"already uses the 'CUDA' backend.*symm_memory='ipc'"):
+        nvshmem_memory._use_nvshmem_backend(fixed, "cuda:0")
+    free = SimpleNamespace(get_backend=lambda dev: None, set_backend=calls.append)
+    nvshmem_memory._use_nvshmem_backend(free, "cuda:0")
+    nvshmem_memory._use_nvshmem_backend(free, "cuda:0")  # once per process
+    assert calls == ["NVSHMEM", "NVSHMEM"]

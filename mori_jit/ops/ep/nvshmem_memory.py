@@ -31,7 +31,8 @@ def nvshmem_gap(group=None) -> str | None:
         return f"torch.distributed._symmetric_memory is missing ({e})"
     if not hasattr(symm_mem, "set_backend"):
         return f"torch {torch.__version__} has no symmetric-memory backends (torch >= 2.8 has NVSHMEM)"
-    if not symm_mem.is_nvshmem_available():
+    available = getattr(symm_mem, "is_nvshmem_available", None)
+    if available is None or not available():
         return (f"NVSHMEM is not available to torch {torch.__version__} (a CUDA build with NVSHMEM and the "
                 f"nvidia-nvshmem wheel are needed)")
     group = group or dist.group.WORLD
@@ -49,6 +50,7 @@ class NvshmemProvider:
 
     def __init__(self):
         self._handle = None
+        self._group = None
 
     def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
         """Collective: ``nbytes`` of NVSHMEM symmetric memory on every rank; the local tensor and
@@ -59,15 +61,7 @@ class NvshmemProvider:
         why = nvshmem_gap(group)
         if why:
             raise RuntimeError(f"NVSHMEM arena: {why}")
-        current = symm_mem.get_backend(device)
-        if current != BACKEND:
-            try:
-                symm_mem.set_backend(BACKEND)
-            except RuntimeError as e:
-                raise RuntimeError(f"NVSHMEM arena: torch's symmetric memory of this process already uses the "
-                                   f"{current!r} backend, and the backend cannot change after an allocation "
-                                   f"(an intranode op with symm_memory='torch' made one); build internode ops "
-                                   f"first or give intranode ops symm_memory='ipc' ({e})") from None
+        _use_nvshmem_backend(symm_mem, device)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buf, group.group_name)
         rank = dist.get_rank(group)
@@ -77,9 +71,37 @@ class NvshmemProvider:
                                f"address peers by rank")
         ptrs = [int(p) for p in handle.buffer_ptrs]
         delta = buf.data_ptr() - ptrs[rank]  # (a sub-allocation starts inside the rendezvous'd block)
-        self._handle = handle  # keep the mapping alive as long as the tensor
+        self._handle, self._group = handle, group  # keep the mapping alive as long as the tensor
         return buf, [p + delta if p else 0 for p in ptrs]
 
     def release(self, tensor: torch.Tensor) -> None:
-        """Collective: drop the handle; torch frees the block (``nvshmem_free``) with its tensor."""
-        self._handle = None
+        """Collective: wait for the device and the group, then drop the handle. The block goes back
+        to NVSHMEM when its last tensor dies (``nvshmem_free`` is collective in NVSHMEM: every rank
+        drops its views of an op, such as dispatch outputs, at the same point of its program)."""
+        if self._handle is None:
+            return
+        torch.cuda.synchronize(tensor.device if tensor.is_cuda else None)
+        dist.barrier(group=self._group)
+        self._handle = self._group = None
+
+
+_BACKEND_CHOSEN = False
+
+
+def _use_nvshmem_backend(symm_mem, device: torch.device) -> None:
+    """Make NVSHMEM torch's symmetric-memory backend in this process (once: the choice is
+    process-wide and fixed by the first symmetric allocation)."""
+    global _BACKEND_CHOSEN
+    if _BACKEND_CHOSEN:
+        return
+    get = getattr(symm_mem, "get_backend", None)
+    current = get(device) if get is not None else None
+    if current != BACKEND:
+        try:
+            symm_mem.set_backend(BACKEND)
+        except RuntimeError as e:
+            raise RuntimeError(f"NVSHMEM arena: torch's symmetric memory of this process already uses the "
+                               f"{current!r} backend, and the backend cannot change after an allocation "
+                               f"(an intranode op with symm_memory='torch' made one); build internode ops "
+                               f"first or give intranode ops symm_memory='ipc' ({e})") from None
+    _BACKEND_CHOSEN = True
