@@ -5,6 +5,7 @@ The GPU runs are in ``tests/test_gpu_ep_internode.py``.
 """
 from __future__ import annotations
 
+import os
 import re
 import struct
 from pathlib import Path
@@ -323,3 +324,19 @@ def test_the_backend_is_chosen_once_and_a_fixed_other_one_is_named(monkeypatch):
     nvshmem_memory._use_nvshmem_backend(free, "cuda:0")
     nvshmem_memory._use_nvshmem_backend(free, "cuda:0")  # once per process
     assert calls == ["NVSHMEM", "NVSHMEM"]
+
+
+def test_the_ranks_get_their_share_and_the_environment_is_restored(monkeypatch):
+    from mori_jit.testing import gpu_world_shmem
+    from mori_jit.testing.gpu_world import placement
+
+    seen = []
+    monkeypatch.setattr(gpu_world_shmem, "placement", lambda ws: placement(ws, gpus=1))  # one GPU
+    monkeypatch.setattr(gpu_world_shmem, "run_ep_job",
+                        lambda fn, ws, *a, timeout: seen.append(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")))
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40")
+    gpu_world_shmem.run_shmem_job(None, 8)
+    gpu_world_shmem.run_shmem_job(None, 3)
+    monkeypatch.setattr(gpu_world_shmem, "placement", lambda ws: placement(ws, gpus=8))  # a GPU per rank
+    gpu_world_shmem.run_shmem_job(None, 8)
+    assert seen == ["12", "33", "40"] and os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"

@@ -81,7 +81,7 @@ MORI_DEVICE void NetV2DispatchSend(const EpNetArgs& a) {
     lead = lead && pe >= 0;
     if (lane < kK) tok_dest[t * kK + lane] = pe;
     const int dnode = lead ? pe / kG : -1;
-    const int slot = lead ? plat::atomic_add_device(reinterpret_cast<unsigned*>(out_cnt + dnode), 1u) : -1;
+    const int slot = lead ? int(plat::atomic_add_device(reinterpret_cast<unsigned*>(out_cnt + dnode), 1u)) : -1;
     if (plat::wave_any(lead && dnode != node)) WarpCopy(stage + size_t(t) * kTok, inp + size_t(t) * kTok, kTok);
     for (uint64_t m = plat::ballot(lead); m; m &= m - 1) {
       const int j = plat::lowest_bit(m);

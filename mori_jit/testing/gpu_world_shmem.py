@@ -33,13 +33,14 @@ def run_shmem_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
     """``run_ep_job(fn, world_size, *args)`` with every rank's MPS thread percentage set when ranks
     share a GPU (CUDA only; the variable is restored afterwards)."""
     share = mps_thread_percentage(max(1, placement(world_size).ranks_per_gpu))
-    saved = os.environ.get(MPS_THREAD_PERCENTAGE)
+    saved = os.environ.pop(MPS_THREAD_PERCENTAGE, None)  # (the ranks are spawned with this environment)
     if share is not None and torch.version.hip is None:
-        os.environ[MPS_THREAD_PERCENTAGE] = str(share)
+        os.environ.update({MPS_THREAD_PERCENTAGE: str(share)})
+    elif saved is not None:
+        os.environ.update({MPS_THREAD_PERCENTAGE: saved})
     try:
         run_ep_job(fn, world_size, *args, timeout=timeout)
     finally:
-        if saved is None:
-            os.environ.pop(MPS_THREAD_PERCENTAGE, None)
-        else:
-            os.environ[MPS_THREAD_PERCENTAGE] = saved
+        os.environ.pop(MPS_THREAD_PERCENTAGE, None)
+        if saved is not None:
+            os.environ.update({MPS_THREAD_PERCENTAGE: saved})
