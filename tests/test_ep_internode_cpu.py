@@ -215,6 +215,8 @@ def test_every_wait_has_a_message_and_a_timeout_names_wait_peer_and_rank():
     assert msg.startswith("rank 1: combine: waiting for a peer's rows") and "from rank 3 timed out" in msg
     msg = decode_net_error([int(ErrCode.kErrShortInput), 2 << 16, (10 << 32) | 7, 0])
     assert msg.startswith("rank 2: combine input had 7 rows but dispatch received 10")
+    msg = decode_net_error([int(ErrCode.kErrPeerShortInput), (5 << 32) | (2 << 16), 0, 0])
+    assert msg.startswith("rank 2: rank 5's combine input was short") and "output on rank 2 is wrong" in msg
 
 
 def test_internode_bodies_reach_the_engine_only_through_the_transport():
@@ -226,7 +228,7 @@ def test_internode_bodies_reach_the_engine_only_through_the_transport():
         body = "\n".join(ln.split("//")[0] for ln in text.splitlines())
         assert not re.search(r"\bnvshmem\w*", body), f"kernels/{rel}: an engine call outside kernels/transport/"
         code += body
-    for call in ("put_warp", "put_int", "atomic_fetch_add", "signal_add", "peer_ptr", "quiet"):
+    for call in ("put_warp", "put_int", "atomic_fetch_add", "signal_add", "peer_ptr", "quiet"):  # (all in use)
         assert f"transport::{call}(" in code, call
 
 

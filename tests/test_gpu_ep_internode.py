@@ -232,6 +232,41 @@ def _timeout_job(rank, ws, gpn, family):
         _round(op, rank, ws, gen, 32)
 
 
+def _short_input_job(rank, ws, gpn, family):
+    """Rank 0 combines fewer rows than it received: reported there, and on every rank whose tokens
+    lost rows by it (never a silent wrong sum); reset() recovers."""
+    from mori_jit.ops.ep import EpDeviceError, EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import make_inputs
+
+    gen = torch.Generator().manual_seed(31 + rank)
+    m, hidden, k = 40, 2048, 8
+    with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, BF16, BF16, m, internode_kernel=family), None) as op:
+        _round(op, rank, ws, gen, m)
+        torch.distributed.barrier()
+        x, w, idx = make_inputs(rank, m, hidden, k, op.cfg.num_experts, BF16, _dev(), gen)
+        out, out_w, _, _, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        t = total.item()
+        rows = t // 2 if rank == 0 else t
+        lost = torch.zeros(ws, dtype=torch.int32)  # by home rank of a dropped row
+        if rank == 0:
+            lost[(routing.recv_src[rows:t].long() // m).unique().cpu()] = 1
+        if torch.distributed.get_backend() != "gloo":
+            lost = lost.to(_dev())
+        torch.distributed.broadcast(lost, 0)
+        op.combine(out[:rows].clone(), weights=out_w[:rows].clone(), routing=routing)
+        torch.cuda.synchronize()
+        if rank == 0:
+            with pytest.raises(EpDeviceError, match=f"rank 0: combine input had {rows} rows but dispatch received {t}"):
+                op.check()
+        elif lost[rank]:
+            with pytest.raises(EpDeviceError, match=f"rank {rank}: rank 0's combine input was short"):
+                op.check()
+        else:
+            op.check()  # none of this rank's tokens lost a row
+        op.reset()
+        _round(op, rank, ws, gen, m)
+
+
 _LAYOUT = pytest.mark.parametrize("ws, gpn", LAYOUTS, ids=[f"ws{ws}-gpn{g}" for ws, g in LAYOUTS])
 _FAMILY = pytest.mark.parametrize("family", FAMILIES)
 
@@ -263,3 +298,9 @@ def test_internode_graph_replay(ws, gpn, family):
 @_FAMILY
 def test_internode_timeout_names_wait_and_rank_and_reset_recovers(ws, gpn, family):
     run_shmem_job(_timeout_job, ws, gpn, family, timeout=300)
+
+
+@_LAYOUT
+@_FAMILY
+def test_internode_short_combine_input_is_reported_where_rows_were_lost(ws, gpn, family):
+    run_shmem_job(_short_input_job, ws, gpn, family)

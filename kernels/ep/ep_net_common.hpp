@@ -34,6 +34,24 @@ MORI_DEVICE constexpr uint64_t TimeoutDetail(NetWaitId wait, uint64_t peer, uint
   return (uint64_t(wait) << 48) | (peer << 32) | (rank << 16);
 }
 
+// A sender whose combine input is short (fewer rows than it received) tells the home rank of each
+// row it cannot send (a put of the combine epoch into the home's comb_short[sender]); the home's
+// receive pass reports every sender that did so in this epoch. Rows [rows, total) are the missing ones.
+MORI_DEVICE void MarkShortRows(const EpNetArgs& a, int rows, int total, int maxTokPerRank, int epoch, int warp,
+                               int warps) {
+  int* marks = Local<int>(a, a.off_comb_short);
+  const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
+  if (plat::lane_id() != 0) return;
+  for (int i = rows + warp; i < total; i += warps) transport::put_int(marks + a.rank, epoch, recv_to_src[i] / maxTokPerRank);
+}
+MORI_DEVICE void ReportShortPeers(const EpNetArgs& a, int worldSize, int epoch) {
+  if (blockIdx.x != 0) return;
+  const int* marks = Local<int>(a, a.off_comb_short);
+  for (int pe = threadIdx.x; pe < worldSize; pe += blockDim.x)
+    if (plat::load_volatile(marks + pe) == epoch)
+      RecordError(a, kErrPeerShortInput, (uint64_t(pe) << 32) | (uint64_t(a.rank) << 16), 0);
+}
+
 // Spin until *flag >= target (a word peers signal); gives up after args.timeoutNs and records which
 // wait, for which peer, on which rank.
 MORI_DEVICE void WaitAtLeast(const EpNetArgs& a, const uint64_t* flag, uint64_t target, NetWaitId wait, int peer) {

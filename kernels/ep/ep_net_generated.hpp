@@ -71,6 +71,7 @@ struct EpNetArgs {
   uint64_t off_comb_stage;  // combine rows staged for puts [maxRecv, combTokenBytes] (local)
   uint64_t off_comb_stage_wts;  // combine weights staged for puts [maxRecv, k] f32 (local)
   uint64_t off_signals;  // done and free signals [NetSignal rows, worldSize] u64, by writing rank (written by peers)
+  uint64_t off_comb_short;  // combine epoch of a sender's short input that dropped rows of this rank's tokens [worldSize] i32 (written by peers)
   uint64_t off_sync;  // local words [4] u64: word 0 the error-report claim
   uint64_t off_relay;  // v2: rows to forward [nodes, M, tokenBytes] (written by the sources of this local index)
   uint64_t off_relay_meta;  // v2: their metadata [nodes, M, 2k+3] i32: weights, ids, source, node mask, epoch (written by sources)
@@ -105,15 +106,16 @@ static_assert(offsetof(EpNetArgs, off_comb_recv_wts) == 160, "EpNetArgs.off_comb
 static_assert(offsetof(EpNetArgs, off_comb_stage) == 168, "EpNetArgs.off_comb_stage moved");
 static_assert(offsetof(EpNetArgs, off_comb_stage_wts) == 176, "EpNetArgs.off_comb_stage_wts moved");
 static_assert(offsetof(EpNetArgs, off_signals) == 184, "EpNetArgs.off_signals moved");
-static_assert(offsetof(EpNetArgs, off_sync) == 192, "EpNetArgs.off_sync moved");
-static_assert(offsetof(EpNetArgs, off_relay) == 200, "EpNetArgs.off_relay moved");
-static_assert(offsetof(EpNetArgs, off_relay_meta) == 208, "EpNetArgs.off_relay_meta moved");
-static_assert(offsetof(EpNetArgs, off_relay_stage_meta) == 216, "EpNetArgs.off_relay_stage_meta moved");
-static_assert(offsetof(EpNetArgs, off_relay_out_cnt) == 224, "EpNetArgs.off_relay_out_cnt moved");
-static_assert(offsetof(EpNetArgs, off_recv_relay) == 232, "EpNetArgs.off_recv_relay moved");
-static_assert(offsetof(EpNetArgs, off_comb_relay) == 240, "EpNetArgs.off_comb_relay moved");
-static_assert(offsetof(EpNetArgs, off_comb_relay_wts) == 248, "EpNetArgs.off_comb_relay_wts moved");
-static_assert(sizeof(EpNetArgs) == 256, "EpNetArgs size changed");
+static_assert(offsetof(EpNetArgs, off_comb_short) == 192, "EpNetArgs.off_comb_short moved");
+static_assert(offsetof(EpNetArgs, off_sync) == 200, "EpNetArgs.off_sync moved");
+static_assert(offsetof(EpNetArgs, off_relay) == 208, "EpNetArgs.off_relay moved");
+static_assert(offsetof(EpNetArgs, off_relay_meta) == 216, "EpNetArgs.off_relay_meta moved");
+static_assert(offsetof(EpNetArgs, off_relay_stage_meta) == 224, "EpNetArgs.off_relay_stage_meta moved");
+static_assert(offsetof(EpNetArgs, off_relay_out_cnt) == 232, "EpNetArgs.off_relay_out_cnt moved");
+static_assert(offsetof(EpNetArgs, off_recv_relay) == 240, "EpNetArgs.off_recv_relay moved");
+static_assert(offsetof(EpNetArgs, off_comb_relay) == 248, "EpNetArgs.off_comb_relay moved");
+static_assert(offsetof(EpNetArgs, off_comb_relay_wts) == 256, "EpNetArgs.off_comb_relay_wts moved");
+static_assert(sizeof(EpNetArgs) == 264, "EpNetArgs size changed");
 
 }  // namespace mori::epnet
 #endif  // MORI_JIT_GEN_EP_EP_NET_GENERATED_HPP

@@ -14,7 +14,8 @@
 //   combine_send   one warp per received row pushes the expert output (and weights) into the
 //                  home rank's comb_recv[this rank, token]; each block signals its share.
 //   combine_recv   waits for every rank's done unit and sums each token's rows from its distinct
-//                  destination ranks in fp32.
+//                  destination ranks in fp32; a sender whose short input dropped rows of this rank's
+//                  tokens has marked comb_short, and is reported.
 // Stream order between passes replaces any wait of a block on another block of its own rank, so no
 // grid needs to be resident as a whole. Epochs are the done counts themselves (kept on the device:
 // a captured graph stays right on every replay); a rank's own count is complete when the pass
@@ -106,8 +107,12 @@ MORI_DEVICE void NetLlCombineSend(const EpNetArgs& a) {
   const int rank = a.rank, lane = plat::lane_id();
   const int total = *Local<int>(a, a.off_total_recv);
   const int rows = total < a.inpRows ? total : a.inpRows;
-  if (blockIdx.x == 0 && threadIdx.x == 0 && a.inpRows < total)
-    RecordError(a, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
+  const int warps = gridDim.x * kCfg.warpPerBlock, warp = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
+  if (a.inpRows < total) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      RecordError(a, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
+    MarkShortRows(a, rows, total, kM, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit + 1), warp, warps);
+  }
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   char* comb_recv = Local<char>(a, a.off_comb_recv);
   float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
@@ -115,8 +120,7 @@ MORI_DEVICE void NetLlCombineSend(const EpNetArgs& a) {
   float* stage_wts = Local<float>(a, a.off_comb_stage_wts);
   const char* inp = static_cast<const char*>(a.inpTok);
   const bool weights = a.inpWeights != nullptr;
-  const int warps = gridDim.x * kCfg.warpPerBlock;
-  for (int i = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); i < rows; i += warps) {
+  for (int i = warp; i < rows; i += warps) {
     const int src = recv_to_src[i], home = src / kM;
     const size_t at = size_t(rank) * kM + src % kM;
     char* row = comb_recv + at * kTok;
@@ -140,6 +144,7 @@ MORI_DEVICE void NetLlCombineRecv(const EpNetArgs& a) {
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
   const uint64_t target = OwnCount<kCfg>(a, kSigCombDone);
   WaitEveryRank<kCfg>(a, kSigCombDone, target, kNetWaitCombineDone);
+  ReportShortPeers(a, kCfg.worldSize, int(target / kDoneUnit));
   const int lane = plat::lane_id();
   const int* tok_dest = Local<int>(a, a.off_tok_dest);
   const char* comb_recv = Local<char>(a, a.off_comb_recv);

@@ -197,8 +197,12 @@ MORI_DEVICE void NetV2CombineSend(const EpNetArgs& a) {
   const int rank = a.rank, lane = plat::lane_id();
   const int total = *Local<int>(a, a.off_total_recv);
   const int rows = total < a.inpRows ? total : a.inpRows;
-  if (blockIdx.x == 0 && threadIdx.x == 0 && a.inpRows < total)
-    RecordError(a, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
+  const int warps = gridDim.x * kCfg.warpPerBlock, warp = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
+  if (a.inpRows < total) {  // (the marks go straight to the home ranks)
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      RecordError(a, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
+    MarkShortRows(a, rows, total, kM, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit + 1), warp, warps);
+  }
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   const int* recv_relay = Local<int>(a, a.off_recv_relay);
   char* comb_relay = Local<char>(a, a.off_comb_relay);
@@ -207,8 +211,7 @@ MORI_DEVICE void NetV2CombineSend(const EpNetArgs& a) {
   float* stage_wts = Local<float>(a, a.off_comb_stage_wts);
   const char* inp = static_cast<const char*>(a.inpTok);
   const bool weights = a.inpWeights != nullptr;
-  const int warps = gridDim.x * kCfg.warpPerBlock;
-  for (int i = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); i < rows; i += warps) {
+  for (int i = warp; i < rows; i += warps) {
     const int fwd = rank / kG * kG + recv_to_src[i] / kM % kG;  // this node's rank of the source's local index
     const size_t at = size_t(recv_relay[i]) * kG + rank % kG;
     char* row = comb_relay + at * kTok;
@@ -283,6 +286,7 @@ MORI_DEVICE void NetV2CombineRecv(const EpNetArgs& a) {
   constexpr int kTok = NetTokenBytes(kCfg);
   WaitRanks<kCfg>(a, kSigCombFwdDone, OwnCount<kCfg>(a, kSigCombFwdDone), kNetWaitCombineForwardDone,
                   SameLocalIndex<kCfg>(a.rank));
+  ReportShortPeers(a, kCfg.worldSize, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit));
   const int lane = plat::lane_id();
   const int* tok_dest = Local<int>(a, a.off_tok_dest);
   const char* comb_recv = Local<char>(a, a.off_comb_recv);

@@ -37,7 +37,7 @@ NET_WAIT_MESSAGES = {
     NetWaitId.kNetWaitCombineForwardDone: "combine: waiting for a forwarder's partial sums (its forward-done signal)",
 }
 #: Counters, signals, epoch tags and error claims: zeroed by reset().
-NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "sync", "relay_meta", "relay_out_cnt")
+NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "comb_short", "sync", "relay_meta", "relay_out_cnt")
 
 
 def decode_net_error(words: list[int]) -> str:
@@ -49,8 +49,12 @@ def decode_net_error(words: list[int]) -> str:
                 f"MORI_EP_TIMEOUT_S (signal never reached {extra}); a peer skipped or is stuck in a collective")
     if code == ErrCode.kErrShortInput:
         return (f"rank {(detail >> 16) & 0xFFFF}: combine input had {extra & 0xFFFFFFFF} rows but dispatch "
-                f"received {extra >> 32}; the missing rows were not combined (their tokens' sums on the home "
-                f"ranks lack them)")
+                f"received {extra >> 32}; the missing rows were not combined (their home ranks report it)")
+    if code == ErrCode.kErrPeerShortInput:
+        who, peer = (detail >> 16) & 0xFFFF, detail >> 32
+        return (f"rank {who}: rank {peer}'s combine input was short (that rank reports its row counts), so "
+                f"tokens of rank {who} were summed without some of rank {peer}'s rows: this combine's output on "
+                f"rank {who} is wrong")
     return f"unknown device error code {code:#x} (detail {detail:#x})"
 
 

@@ -156,6 +156,8 @@ EP_NET_REGIONS: dict[str, str] = {
     "comb_stage": "combine rows staged for puts [maxRecv, combTokenBytes] (local)",
     "comb_stage_wts": "combine weights staged for puts [maxRecv, k] f32 (local)",
     "signals": "done and free signals [NetSignal rows, worldSize] u64, by writing rank (written by peers)",
+    "comb_short": "combine epoch of a sender's short input that dropped rows of this rank's tokens [worldSize] i32 "
+                  "(written by peers)",
     "sync": "local words [4] u64: word 0 the error-report claim",
     # v2 only (empty otherwise); relay index j = source node * M + relay slot
     "relay": "v2: rows to forward [nodes, M, tokenBytes] (written by the sources of this local index)",
@@ -200,7 +202,7 @@ def net_region_bytes(disp: EpNetCfg, comb: EpNetCfg, families=("v2_ll",)) -> dic
         "disp_out": recv * tok, "out_wts": recv * k * 4, "out_idx": recv * k * 4, "recv_to_src": recv * 4,
         "recv_cnt": 4, "total_recv": 4, "tok_dest": m * k * 4, "disp_stage": m * tok, "disp_stage_meta": m * 2 * k * 4,
         "comb_recv": ws * m * ctok, "comb_recv_wts": ws * m * k * 4, "comb_stage": recv * ctok,
-        "comb_stage_wts": recv * k * 4, "signals": len(NetSignal) * ws * 8, "sync": 4 * 8,
+        "comb_stage_wts": recv * k * 4, "signals": len(NetSignal) * ws * 8, "comb_short": ws * 4, "sync": 4 * 8,
         "relay": v2 * nodes * m * tok, "relay_meta": v2 * nodes * m * meta, "relay_stage_meta": v2 * m * nodes * meta,
         "relay_out_cnt": v2 * nodes * 4, "recv_relay": v2 * recv * 4, "comb_relay": v2 * ws * m * ctok,
         "comb_relay_wts": v2 * ws * m * k * 4,
