@@ -1,14 +1,15 @@
 """The ``hip`` backend's internode kernel set: the ``v2_ll`` and ``v2`` passes on an NVSHMEM arena.
 
 Each leg is one :class:`~mori_jit.jit.plan.LaunchGroup` per bucket (its family's passes of that
-leg, ``internode_cfg.FAMILY_PASSES``) over one args struct per leg,
-rewritten per call: no compile, no host sync, so a whole step can be captured in a CUDA graph.
+leg, ``internode_cfg.FAMILY_PASSES``) over one args struct per leg, rewritten per call: no
+compile, no host sync, so a whole step can be captured in a CUDA graph.
 Device errors (timed-out waits, a short combine input) land in host-mapped words that the next
 call reads without syncing. Outputs and the routing are the intranode op's (same contract).
 """
 from __future__ import annotations
 
 import ctypes
+
 import torch
 import torch.distributed as dist
 
