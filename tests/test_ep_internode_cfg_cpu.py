@@ -3,7 +3,7 @@
 ``internode_kernel`` is ``auto``/``v2``/``v2_ll`` and ``internode_auto_ll_max_tokens`` an int >= 1,
 each bad value named; ``mori-jit precompile --ep`` takes them as strings. The ``hip`` op refuses an
 internode config before any allocation: on AMD naming the missing engine (rocSHMEM / mori-shmem),
-on NVIDIA saying the internode kernels are not built yet.
+on NVIDIA naming what it lacks (here: NVSHMEM memory).
 """
 from __future__ import annotations
 
@@ -61,9 +61,12 @@ def test_amd_refuses_internode_naming_the_missing_engine(arch):
     assert hip_gaps(_cfg(), arch) == []  # intranode stays open
 
 
-def test_nvidia_refuses_internode_until_the_kernels_exist():
-    assert hip_gaps(_cfg(gpu_per_node=1), "sm_90a") == [
-        "internode (gpu_per_node=1 < world_size=2): internode kernels not built yet"]
+def test_nvidia_takes_every_family_and_refuses_other_memory():
+    for kernel in INTERNODE_KERNELS:
+        assert hip_gaps(_cfg(gpu_per_node=1, internode_kernel=kernel), "sm_90a") == []
+    assert hip_gaps(_cfg(gpu_per_node=1, symm_memory="ipc"), "sm_90a") == [
+        "internode (gpu_per_node=1 < world_size=2) with symm_memory='ipc': the internode arena is NVSHMEM "
+        "symmetric memory; leave symm_memory='auto'"]
 
 
 def test_precompile_refuses_internode_on_amd_in_one_line(fake_cc, capsys):
@@ -83,7 +86,8 @@ def _internode_gate_job(rank, ws, hip_version):
 
     torch.version.hip = hip_version  # this process's torch build, as the op sees it
     arena.SymmArena.create = staticmethod(no_allocation)
-    cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, gpu_per_node=1, kernel_backend="hip", **BASE)
+    cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, gpu_per_node=1, kernel_backend="hip", symm_memory="ipc",
+                                  **BASE)
     with pytest.raises(EpUnsupportedError) as e:
         EpDispatchCombineOp(cfg)
     msg = str(e.value)
@@ -91,7 +95,7 @@ def _internode_gate_job(rank, ws, hip_version):
     if hip_version:
         assert "on AMD GPUs" in msg and "rocSHMEM" in msg and "mori-shmem" in msg, msg
     else:
-        assert "internode kernels not built yet" in msg and "rocSHMEM" not in msg, msg
+        assert "the internode arena is NVSHMEM symmetric memory" in msg and "rocSHMEM" not in msg, msg
 
 
 @pytest.mark.parametrize("hip_version", ["6.4.0", None], ids=["amd", "nvidia"])

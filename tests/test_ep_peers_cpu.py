@@ -101,7 +101,7 @@ def test_ipc_blocks_must_share_a_host_and_a_size():
     with pytest.raises(RuntimeError, match=r"ranks asked for different sizes \[4096, 8192\]"):
         check_peer_blocks([("h", 4096), ("h", 8192)])
     assert {make_provider(k).kind for k in ("torch", "ipc")} == {"torch", "ipc"}
-    with pytest.raises(ValueError, match=r"provider 'auto': allowed \('torch', 'ipc'\)"):
+    with pytest.raises(ValueError, match=r"provider 'auto': allowed \('torch', 'ipc', 'nvshmem'\)"):
         make_provider("auto")
 
 

@@ -130,18 +130,35 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         missing = hip_gaps(cfg)  # (shared with mori-jit precompile --ep)
         if not torch.cuda.is_available():
             missing.append("a CUDA/ROCm device (none visible)")
+        elif cfg.is_internode and not missing:
+            from .nvshmem_memory import nvshmem_gap
+            why = nvshmem_gap(self.group)
+            if why:
+                missing.append(f"internode: the NVSHMEM arena: {why}")
         return missing
+
+    def _memory_kind(self, cfg: EpDispatchCombineConfig, cards) -> str:
+        # the internode kernels address peers through NVSHMEM: their arena is its symmetric heap
+        return "nvshmem" if cfg.is_internode else super()._memory_kind(cfg, cards)
 
     def _regions(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
         # Building the variants validates every EpCfg, so a bad config fails before any allocation.
         self._toolchain = get_toolchain()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self._num_cus = props.multi_processor_count
+        if cfg.is_internode:
+            from .backend_internode import net_regions
+            from .internode_variants import net_variants
+            self._variants = net_variants(cfg, self._toolchain.arch, self._num_cus, self.ranks_per_device)
+            return net_regions(self._variants)
         self._variants = ep_variants(cfg, self._toolchain.arch, self._num_cus, self.ranks_per_device)
         return region_bytes(self._variants.dispatch[0], self._variants.combine[0])
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
         assert arena is not None
+        if cfg.is_internode:
+            from .backend_internode import build_net_kernels
+            return build_net_kernels(cfg, arena, self._variants, self._toolchain, self.device, self.group)
         var, tc, dev = self._variants, self._toolchain, self.device
         low = var.combine[0].lowLatency  # (one value for every variant: it sizes regions)
         if low:  # before any peer's first combine pushes here (construction is collective)

@@ -70,7 +70,8 @@ class EpDispatchCombineConfig:
     ``internode_kernel`` (when ``is_internode``): ``"v2"`` (throughput: a token crosses the network
     once per destination node and is forwarded inside it), ``"v2_ll"`` (low latency: straight to
     every destination rank), or ``"auto"``: both are built and a launch of at most
-    ``internode_auto_ll_max_tokens`` tokens takes ``v2_ll``, a larger one ``v2``.
+    ``internode_auto_ll_max_tokens`` tokens takes ``v2_ll``, a larger one ``v2`` (every rank of one
+    call must be on the same side: the families speak different protocols).
     What a MoE layer asks around the transfer (docs/design.md §6, "MoE outputs"): ``scale_dim``/
     ``scale_type_size`` per-token scales (bytes per scale), ``quant_type`` in-op quantization
     (:mod:`.quant`), ``index_dtype`` the expert ids' dtype (int32 or int64), ``expert_counts``

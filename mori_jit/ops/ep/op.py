@@ -114,6 +114,10 @@ class EpDispatchCombineOp(abc.ABC):
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
         """Compile and load every variant; return the KernelSet the base class drives."""
 
+    def _memory_kind(self, cfg: EpDispatchCombineConfig, cards: list[RankCard]) -> str:
+        """The arena's memory provider (:func:`.peers.memory_kind` unless a backend knows better)."""
+        return memory_kind(cfg.symm_memory, cards)
+
     def _device(self, cfg: EpDispatchCombineConfig) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
@@ -139,7 +143,7 @@ class EpDispatchCombineOp(abc.ABC):
         #: ranks of the group on this rank's GPU (this one included); they share its SMs/CUs
         self.ranks_per_device = ranks_sharing_device(cards, rank)
         regions = self._regions(cfg)
-        self.memory_kind = memory_kind(cfg.symm_memory, cards) if regions else None
+        self.memory_kind = self._memory_kind(cfg, cards) if regions else None
         self.arena = SymmArena.create(regions, self.group, self.device, self.memory_kind) if regions else None
         self._arena_span = byte_span(self.arena.tensor if self.arena is not None else None)
         self._kernels = self._build_kernels(cfg, self.arena)

@@ -149,8 +149,9 @@ class IpcMemoryProvider:
 
 
 def make_provider(kind: str) -> MemoryProvider:
-    """A fresh provider of ``kind`` (``torch`` or ``ipc``)."""
-    providers = {"torch": TorchSymmMemProvider, "ipc": IpcMemoryProvider}
+    """A fresh provider of ``kind`` (``torch``, ``ipc``, or ``nvshmem``: the internode arena)."""
+    from .nvshmem_memory import NvshmemProvider
+    providers = {"torch": TorchSymmMemProvider, "ipc": IpcMemoryProvider, "nvshmem": NvshmemProvider}
     if kind not in providers:
         raise ValueError(f"symmetric memory provider {kind!r}: allowed {tuple(providers)}")
     return providers[kind]()

@@ -21,26 +21,11 @@ from .schedule import Schedule
 from .tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
-           "config_from_strings", "precompile_targets", "hip_gaps", "internode_gap"]
+           "config_from_strings", "precompile_targets", "hip_gaps"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
 DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
                    "gfx942": 304, "gfx950": 256}
-
-
-def internode_gap(cfg: EpDispatchCombineConfig, arch: str | None = None) -> str:
-    """Why the ``hip`` op cannot run ``cfg`` across nodes on ``arch`` (None: the GPUs of this torch
-    build). AMD has no device-side SHMEM engine here (rocSHMEM / mori-shmem), and that is said by name."""
-    where = f"internode (gpu_per_node={cfg.gpu_per_node} < world_size={cfg.world_size})"
-    if arch is not None:
-        amd = vendor_of(arch) == "amd"
-    else:
-        import torch
-        amd = bool(getattr(torch.version, "hip", None))
-    if amd:
-        return (f"{where} on {arch or 'AMD GPUs'}: internode kernels run on a device-side SHMEM engine, and "
-                f"AMD's (rocSHMEM, mori-shmem) is not available to mori-jit; NVSHMEM is NVIDIA-only")
-    return f"{where}: internode kernels not built yet"
 
 
 def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]:
@@ -58,10 +43,11 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
         missing.append(f"expert_capacity={cfg.expert_capacity} (the expert-major layout)")
     if cfg.routing_replay:
         missing.append("routing_replay=True (dispatch(routing=...))")
-    if cfg.is_internode:
-        missing.append(internode_gap(cfg, arch))
-    if cfg.world_size > EP_MAX_PEERS:
-        missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS}")
+    if cfg.is_internode:  # (the internode kernels: their own limits)
+        from .internode_variants import internode_gaps
+        missing.extend(internode_gaps(cfg, arch))
+    elif cfg.world_size > EP_MAX_PEERS:
+        missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS} (intranode)")
     return missing
 
 
@@ -276,8 +262,9 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
 
 
 def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
-    """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op. A
-    config the live op refuses (:func:`hip_gaps`) is refused here too."""
+    """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op (an
+    internode op's: :func:`.internode_variants.net_variants`). A config the live op refuses
+    (:func:`hip_gaps`) is refused here too."""
     cfg, num_cus = config_from_strings(request)
     gaps = hip_gaps(cfg, arch)
     if gaps:
@@ -287,4 +274,7 @@ def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
         if num_cus is None:
             raise ConfigError(f"no default CU/SM count for {arch}; pass --ep num_cus=N "
                               f"(known: {', '.join(sorted(DEFAULT_NUM_CUS))})")
+    if cfg.is_internode:
+        from .internode_variants import net_variants
+        return net_variants(cfg, arch, num_cus).requests()
     return plan_requests(cfg, arch, num_cus)

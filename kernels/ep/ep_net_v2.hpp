@@ -1,0 +1,319 @@
+// Internode EP, hierarchical family (`v2`): a token crosses the network once per destination node,
+// to the rank of that node with the source's local index (its forwarder), which writes it to every
+// destination rank of its node; combine runs the same path back, summing inside the node first.
+// Transport: kernels/transport/*.hpp, included before this header.
+//
+// A leg is three passes (three kernels, launched in order on one stream). N nodes of G ranks; a
+// rank's local index is rank % G; relay index j = source node * M + relay slot.
+//   dispatch_send     waits until each of its forwarders has forwarded its previous relay rows; one
+//                     warp per token drops invalid ids and repeated ranks (dedup), and for each
+//                     destination node claims a relay slot (a local counter per node) and writes the
+//                     row and its metadata (weights, ids, source, the node's destination ranks as a
+//                     mask, the epoch) into the forwarder's relay[j]; signals every rank (done).
+//   dispatch_forward  waits for the sources of its local index on every node, and until each rank of
+//                     its node has read its previous combine input and reset its slot counter; one
+//                     warp per relay row of this epoch claims a receive slot on each destination rank
+//                     of the row's mask and writes row, weights, ids, the reverse map and the relay
+//                     index there; signals its node (done) and its sources (relay free).
+//   dispatch_recv     waits for every forwarder of its node, publishes total_recv, resets its
+//                     counters and signals every rank that its slots are free.
+//   combine_send      one warp per received row writes the expert output (and weights) into the
+//                     slot of this rank in comb_relay[j] on the forwarder of the row; signals every
+//                     rank (its input is read).
+//   combine_forward   waits for its node; one warp per relay row of this epoch sums the node's rows
+//                     in fp32 and writes the sum into comb_recv[this node, token] on the source
+//                     (a put across nodes); signals its sources.
+//   combine_recv      waits for its forwarders on every node and sums each token's partial sums from
+//                     its distinct destination nodes in fp32.
+// Epochs are the done counts, on the device (see ep_net_ll.hpp). The rows both families use
+// (dispatch done, slots free, combine done) are signalled to every rank by both, so each rank's own
+// count is every rank's count and an `auto` op may switch family between calls (every rank of one
+// call on the same side of the threshold); the rows of v2 alone count v2's calls.
+#pragma once
+#include "ep/ep_net_common.hpp"
+
+namespace mori::epnet {
+
+// Words of a relay row's metadata: weights (k, as bits), ids (k), source (rank * M + token), the
+// destination ranks of the forwarder's node (bit = local index), the dispatch epoch (from 1).
+template <EpNetCfg kCfg>
+struct RelayMeta {
+  static constexpr int kK = kCfg.numExpertPerToken;
+  static constexpr int kSrc = 2 * kK, kMask = 2 * kK + 1, kTag = 2 * kK + 2, kWords = 2 * kK + 3;
+};
+
+template <EpNetCfg kCfg>
+constexpr int kNodes = kCfg.worldSize / kCfg.gpuPerNode;
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void NetV2DispatchSend(const EpNetArgs& a) {
+  static_assert(kCfg.gpuPerNode <= 32, "a node's ranks are a 32-bit mask");
+  using Meta = RelayMeta<kCfg>;
+  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
+  constexpr int kTok = NetTokenBytes(kCfg);
+  const int rank = a.rank, lane = plat::lane_id(), node = rank / kG;
+  const uint64_t de = OwnCount<kCfg>(a, kSigDispDone) / kDoneUnit;  // (this launch's shares stay below a unit)
+  // this rank is its own forwarder: its own relay-free count is the forwards every forwarder owes it
+  WaitRanks<kCfg>(a, kSigRelayFree, OwnCount<kCfg>(a, kSigRelayFree), kNetWaitRelayFree, SameLocalIndex<kCfg>(rank));
+
+  int* tok_dest = Local<int>(a, a.off_tok_dest);
+  int* out_cnt = Local<int>(a, a.off_relay_out_cnt);
+  char* relay = Local<char>(a, a.off_relay);
+  int* relay_meta = Local<int>(a, a.off_relay_meta);
+  char* stage = Local<char>(a, a.off_disp_stage);
+  int* stage_meta = Local<int>(a, a.off_relay_stage_meta);
+  const char* inp = static_cast<const char*>(a.inpTok);
+  const bool weights = a.inpWeights != nullptr;
+  const int warps = gridDim.x * kCfg.warpPerBlock;
+  for (int t = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); t < a.numTokens; t += warps) {
+    const int e = lane < kK ? a.inpIndices[t * kK + lane] : -1;
+    int pe = (e >= 0 && e < NetNumExperts(kCfg)) ? e / kCfg.numExpertPerRank : -1;
+    uint32_t mask = 0;  // this lane's node's destination ranks (bits: local index)
+    bool lead = pe >= 0;  // the first lane of its node
+    for (int j = 0; j < kK; ++j) {
+      const int pj = plat::shfl(pe, j);
+      if (j < lane && pj == pe) pe = -1;  // dedup by rank
+      if (pj >= 0 && pe >= 0 && pj / kG == pe / kG) {
+        mask |= 1u << (pj % kG);
+        if (j < lane) lead = false;
+      }
+    }
+    lead = lead && pe >= 0;
+    if (lane < kK) tok_dest[t * kK + lane] = pe;
+    const int dnode = lead ? pe / kG : -1;
+    const int slot = lead ? int(plat::atomic_add_device(reinterpret_cast<unsigned*>(out_cnt + dnode), 1u)) : -1;
+    if (plat::wave_any(lead && dnode != node)) WarpCopy(stage + size_t(t) * kTok, inp + size_t(t) * kTok, kTok);
+    for (uint64_t m = plat::ballot(lead); m; m &= m - 1) {
+      const int j = plat::lowest_bit(m);
+      const int nd = plat::shfl(dnode, j), s = plat::shfl(slot, j);
+      const uint32_t dmask = uint32_t(plat::shfl(int(mask), j));
+      const int fwd = nd * kG + rank % kG;
+      const size_t at = size_t(node) * kM + s;  // the relay index on the forwarder
+      int* meta = stage_meta + (size_t(t) * kNodes<kCfg> + nd) * Meta::kWords;  // (its own copy per node)
+      int* dst_meta = relay_meta + at * Meta::kWords;
+      if (int* p = Direct<kCfg>(a, dst_meta, fwd)) meta = p;  // this node: written in place
+      if (lane < kK) {
+        meta[lane] = weights ? __float_as_int(a.inpWeights[t * kK + lane]) : 0;
+        meta[kK + lane] = a.inpIndices[t * kK + lane];
+      }
+      if (lane == 0) {
+        meta[Meta::kSrc] = rank * kM + t;
+        meta[Meta::kMask] = int(dmask);
+        meta[Meta::kTag] = int(de + 1);
+      }
+      __syncwarp();
+      if (char* p = Direct<kCfg>(a, relay + at * kTok, fwd)) {
+        WarpCopy(p, inp + size_t(t) * kTok, kTok);
+      } else {
+        transport::put_warp(relay + at * kTok, stage + size_t(t) * kTok, kTok, fwd);
+        transport::put_warp(dst_meta, meta, Meta::kWords * 4, fwd);
+      }
+    }
+  }
+  CompleteBlock<kCfg>();
+  if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigDispDone, BlockShare(), EveryRank<kCfg>());
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void NetV2DispatchForward(const EpNetArgs& a) {
+  using Meta = RelayMeta<kCfg>;
+  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
+  constexpr int kTok = NetTokenBytes(kCfg);
+  const int rank = a.rank, lane = plat::lane_id();
+  const uint64_t done = OwnCount<kCfg>(a, kSigDispDone);  // complete: this rank's send pass has ended
+  const uint64_t epoch = done / kDoneUnit;  // this dispatch's (from 1)
+  const uint64_t ce = OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit;
+  WaitRanks<kCfg>(a, kSigDispDone, done, kNetWaitDispatchDone, SameLocalIndex<kCfg>(rank));
+  WaitRanks<kCfg>(a, kSigCombDone, ce * kDoneUnit, kNetWaitPeerCombine, NodeOf<kCfg>(rank));
+  WaitRanks<kCfg>(a, kSigSlotsFree, epoch - 1, kNetWaitPeerSlots, NodeOf<kCfg>(rank));
+
+  const char* relay = Local<char>(a, a.off_relay);
+  const int* relay_meta = Local<int>(a, a.off_relay_meta);
+  int* recv_cnt = Local<int>(a, a.off_recv_cnt);
+  char* disp_out = Local<char>(a, a.off_disp_out);
+  float* out_wts = Local<float>(a, a.off_out_wts);
+  int* out_idx = Local<int>(a, a.off_out_idx);
+  int* recv_to_src = Local<int>(a, a.off_recv_to_src);
+  int* recv_relay = Local<int>(a, a.off_recv_relay);
+  const int first = rank / kG * kG;
+  const int warps = gridDim.x * kCfg.warpPerBlock;
+  for (int j = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); j < kNodes<kCfg> * kM; j += warps) {
+    const int* meta = relay_meta + size_t(j) * Meta::kWords;
+    if (uint64_t(plat::load_volatile(meta + Meta::kTag)) != epoch) continue;  // (uniform: one row per warp)
+    const uint32_t mask = uint32_t(meta[Meta::kMask]);
+    const int src = meta[Meta::kSrc];
+    const int d = first + lane;
+    const int slot = (lane < kG && (mask >> lane & 1u)) ? transport::atomic_fetch_add(recv_cnt, 1, d) : -1;
+    for (uint32_t m = mask; m; m &= m - 1) {
+      const int b = plat::lowest_bit(m);
+      const int dpe = first + b, s = plat::shfl(slot, b);
+      char* row = disp_out + size_t(s) * kTok;
+      if (char* p = Direct<kCfg>(a, row, dpe)) {
+        WarpCopy(p, relay + size_t(j) * kTok, kTok);
+        if (lane < kK) {
+          Direct<kCfg>(a, out_wts, dpe)[s * kK + lane] = __int_as_float(meta[lane]);
+          Direct<kCfg>(a, out_idx, dpe)[s * kK + lane] = meta[kK + lane];
+        }
+        if (lane == 0) {
+          Direct<kCfg>(a, recv_to_src, dpe)[s] = src;
+          Direct<kCfg>(a, recv_relay, dpe)[s] = j;
+        }
+      } else {  // (a node whose ranks do not reach each other by stores: the relay is symmetric)
+        transport::put_warp(row, relay + size_t(j) * kTok, kTok, dpe);
+        transport::put_warp(out_wts + s * kK, meta, kK * 4, dpe);
+        transport::put_warp(out_idx + s * kK, meta + kK, kK * 4, dpe);
+        if (lane == 0) {
+          transport::put_int(recv_to_src + s, src, dpe);
+          transport::put_int(recv_relay + s, j, dpe);
+        }
+      }
+    }
+  }
+  CompleteBlock<kCfg>();
+  if (threadIdx.x == 0) {
+    SignalRanks<kCfg>(a, kSigFwdDone, BlockShare(), NodeOf<kCfg>(rank));
+    SignalRanks<kCfg>(a, kSigRelayFree, BlockShare(), SameLocalIndex<kCfg>(rank));
+  }
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void NetV2DispatchRecv(const EpNetArgs& a) {
+  WaitRanks<kCfg>(a, kSigFwdDone, OwnCount<kCfg>(a, kSigFwdDone), kNetWaitForwardDone, NodeOf<kCfg>(a.rank));
+  if (threadIdx.x == 0) {
+    int* cnt = Local<int>(a, a.off_recv_cnt);
+    *Local<int>(a, a.off_total_recv) = plat::load_volatile(cnt);
+    *cnt = 0;  // no claim can land now: every forwarder waits for the signal below first
+  }
+  int* out_cnt = Local<int>(a, a.off_relay_out_cnt);  // (this rank's send pass of the next dispatch follows)
+  for (int n = threadIdx.x; n < kNodes<kCfg>; n += blockDim.x) out_cnt[n] = 0;
+  CompleteBlock<kCfg>();
+  if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigSlotsFree, 1, EveryRank<kCfg>());
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void NetV2CombineSend(const EpNetArgs& a) {
+  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
+  constexpr int kTok = NetTokenBytes(kCfg);
+  const int rank = a.rank, lane = plat::lane_id();
+  const int total = *Local<int>(a, a.off_total_recv);
+  const int rows = total < a.inpRows ? total : a.inpRows;
+  const int warps = gridDim.x * kCfg.warpPerBlock, warp = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
+  if (a.inpRows < total) {  // (the marks go straight to the home ranks)
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      RecordError(a, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
+    MarkShortRows(a, rows, total, kM, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit + 1), warp, warps);
+  }
+  const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
+  const int* recv_relay = Local<int>(a, a.off_recv_relay);
+  char* comb_relay = Local<char>(a, a.off_comb_relay);
+  float* comb_relay_wts = Local<float>(a, a.off_comb_relay_wts);
+  char* stage = Local<char>(a, a.off_comb_stage);
+  float* stage_wts = Local<float>(a, a.off_comb_stage_wts);
+  const char* inp = static_cast<const char*>(a.inpTok);
+  const bool weights = a.inpWeights != nullptr;
+  for (int i = warp; i < rows; i += warps) {
+    const int fwd = rank / kG * kG + recv_to_src[i] / kM % kG;  // this node's rank of the source's local index
+    const size_t at = size_t(recv_relay[i]) * kG + rank % kG;
+    char* row = comb_relay + at * kTok;
+    float* wts = comb_relay_wts + at * kK;
+    if (char* p = Direct<kCfg>(a, row, fwd)) {
+      WarpCopy(p, inp + size_t(i) * kTok, kTok);
+      if (weights && lane < kK) Direct<kCfg>(a, wts, fwd)[lane] = a.inpWeights[size_t(i) * kK + lane];
+    } else {
+      WarpCopy(stage + size_t(i) * kTok, inp + size_t(i) * kTok, kTok);
+      if (weights && lane < kK) stage_wts[size_t(i) * kK + lane] = a.inpWeights[size_t(i) * kK + lane];
+      __syncwarp();
+      transport::put_warp(row, stage + size_t(i) * kTok, kTok, fwd);
+      if (weights) transport::put_warp(wts, stage_wts + size_t(i) * kK, kK * 4, fwd);
+    }
+  }
+  CompleteBlock<kCfg>();
+  if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigCombDone, BlockShare(), EveryRank<kCfg>());
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void NetV2CombineForward(const EpNetArgs& a) {
+  using Meta = RelayMeta<kCfg>;
+  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
+  constexpr int kTok = NetTokenBytes(kCfg);
+  const int rank = a.rank, lane = plat::lane_id(), node = rank / kG;
+  WaitRanks<kCfg>(a, kSigCombDone, OwnCount<kCfg>(a, kSigCombDone), kNetWaitCombineDone, NodeOf<kCfg>(rank));
+  const uint64_t epoch = OwnCount<kCfg>(a, kSigDispDone) / kDoneUnit;  // the latest dispatch's
+  const int* relay_meta = Local<int>(a, a.off_relay_meta);
+  const char* comb_relay = Local<char>(a, a.off_comb_relay);
+  const float* comb_relay_wts = Local<float>(a, a.off_comb_relay_wts);
+  char* comb_recv = Local<char>(a, a.off_comb_recv);
+  float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
+  char* stage = Local<char>(a, a.off_comb_stage);
+  float* stage_wts = Local<float>(a, a.off_comb_stage_wts);
+  const bool weights = a.inpWeights != nullptr;
+  const int warps = gridDim.x * kCfg.warpPerBlock;
+  for (int j = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); j < kNodes<kCfg> * kM; j += warps) {
+    const int* meta = relay_meta + size_t(j) * Meta::kWords;
+    if (uint64_t(plat::load_volatile(meta + Meta::kTag)) != epoch) continue;
+    const uint32_t mask = uint32_t(meta[Meta::kMask]);
+    const int src = meta[Meta::kSrc], home = src / kM;
+    const size_t at = size_t(node) * kM + src % kM;  // the partial sum's place on the source
+    char* dst = comb_recv + at * kTok;
+    char* p = Direct<kCfg>(a, dst, home);
+    char* out = p ? p : stage + size_t(j) * kTok;
+    for (int v = lane; v < kTok / 16; v += plat::kWaveSize) {
+      VecSum<T> acc;
+      for (uint32_t m = mask; m; m &= m - 1)
+        acc.add(plat::load_peer(reinterpret_cast<const vec16_t*>(comb_relay + (size_t(j) * kG + plat::lowest_bit(m)) * kTok) + v));
+      reinterpret_cast<vec16_t*>(out)[v] = acc.pack();
+    }
+    if (weights && lane < kK) {
+      float s = 0.f;
+      for (uint32_t m = mask; m; m &= m - 1)
+        s += plat::load_peer_f32(comb_relay_wts + (size_t(j) * kG + plat::lowest_bit(m)) * kK + lane);
+      if (float* pw = Direct<kCfg>(a, comb_recv_wts + at * kK, home)) pw[lane] = s;
+      else stage_wts[size_t(j) * kK + lane] = s;
+    }
+    if (p == nullptr) {
+      __syncwarp();
+      transport::put_warp(dst, stage + size_t(j) * kTok, kTok, home);
+      if (weights) transport::put_warp(comb_recv_wts + at * kK, stage_wts + size_t(j) * kK, kK * 4, home);
+    }
+  }
+  CompleteBlock<kCfg>();
+  if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigCombFwdDone, BlockShare(), SameLocalIndex<kCfg>(rank));
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void NetV2CombineRecv(const EpNetArgs& a) {
+  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
+  constexpr int kTok = NetTokenBytes(kCfg);
+  WaitRanks<kCfg>(a, kSigCombFwdDone, OwnCount<kCfg>(a, kSigCombFwdDone), kNetWaitCombineForwardDone,
+                  SameLocalIndex<kCfg>(a.rank));
+  ReportShortPeers(a, kCfg.worldSize, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit));
+  const int lane = plat::lane_id();
+  const int* tok_dest = Local<int>(a, a.off_tok_dest);
+  const char* comb_recv = Local<char>(a, a.off_comb_recv);
+  const float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
+  const int warps = gridDim.x * kCfg.warpPerBlock;
+  for (int t = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); t < a.numTokens; t += warps) {
+    const int pe = lane < kK ? tok_dest[t * kK + lane] : -1;
+    int nodes[kK];  // the token's distinct destination nodes, the same in every lane
+    int nn = 0;
+    for (int j = 0; j < kK; ++j) {
+      const int pj = plat::shfl(pe, j);
+      bool fresh = pj >= 0;
+      for (int q = 0; q < nn; ++q) fresh = fresh && nodes[q] != pj / kG;
+      if (fresh) nodes[nn++] = pj / kG;
+    }
+    for (int v = lane; v < kTok / 16; v += plat::kWaveSize) {
+      VecSum<T> acc;
+      for (int q = 0; q < nn; ++q)
+        acc.add(plat::load_peer(reinterpret_cast<const vec16_t*>(comb_recv + (size_t(nodes[q]) * kM + t) * kTok) + v));
+      reinterpret_cast<vec16_t*>(static_cast<char*>(a.outTok) + size_t(t) * kTok)[v] = acc.pack();
+    }
+    if (a.outWeights != nullptr && lane < kK) {
+      float s = 0.f;
+      for (int q = 0; q < nn; ++q) s += plat::load_peer_f32(comb_recv_wts + (size_t(nodes[q]) * kM + t) * kK + lane);
+      a.outWeights[t * kK + lane] = s;
+    }
+  }
+}
+
+}  // namespace mori::epnet

@@ -1,0 +1,306 @@
+"""GPU tests of the internode EP kernels (``v2_ll``, ``v2`` and ``auto`` on NVSHMEM; on a GPU machine:
+``pytest -m gpu``).
+
+Nodes are made by ``gpu_per_node``: a peer on another "node" is reached only by NVSHMEM puts, one on
+the same node by plain stores, so with several PEs on one GPU every network put still goes through
+the engine's API (carried by its P2P transport, not RDMA). Ranks that share a GPU run under CUDA MPS
+with each rank's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` set (``mori_jit/testing/gpu_world_shmem.py``).
+Every check is the golden check (``mori_jit/ops/ep/golden.py``) on fresh random data with the
+outputs poisoned first, most also against the ``torch`` backend.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mori_jit.testing.gpu_world import WORLD_SIZES
+from mori_jit.testing.gpu_world_shmem import run_shmem_job
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BF16, FP32 = torch.bfloat16, torch.float32
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+DTYPE_PAIRS = [(BF16, BF16), (FP32, FP32), (FP8, BF16), (FP4, BF16), (BF16, FP32)]
+#: (world_size, gpu_per_node): every world size with two or more nodes
+LAYOUTS = [(ws, g) for ws, g in ((4, 2), (4, 1), (8, 4), (8, 2), (8, 1)) if ws in WORLD_SIZES]
+_POISONED = ("disp_out", "out_wts", "out_idx", "recv_to_src", "total_recv", "comb_recv", "comb_recv_wts", "recv_relay",
+             "comb_relay", "comb_relay_wts")
+FAMILIES = ("v2_ll", "v2")
+
+
+def _dev() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:
+    """The identity expert: byte payloads map byte value -> number (exact in bf16/fp32)."""
+    if out.element_size() == 1:
+        return out.view(torch.uint8).to(combine_dtype)
+    return out.to(combine_dtype)
+
+
+def _cfg(rank, ws, gpn, hidden, k, disp, comb, m, backend="hip", **kw):
+    from mori_jit.ops.ep import EpDispatchCombineConfig
+
+    same = disp == comb
+    kw.setdefault("internode_kernel", "v2_ll")
+    return EpDispatchCombineConfig(
+        rank=rank, world_size=ws, gpu_per_node=gpn, hidden_dim=hidden, max_num_inp_token_per_rank=m,
+        num_experts_per_rank=max(1, 16 // ws), num_experts_per_token=k, data_type=disp,
+        dispatch_data_type=None if same else disp, combine_data_type=None if same else comb,
+        kernel_backend=backend, **kw)
+
+
+def _poison(op):
+    a = op.arena
+    for name in _POISONED:
+        a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+
+
+def _parity(op, ref_op, x, w, idx, out, out_w, out_idx, total, routing, y, y_w):
+    """JIT vs torch backend: the same rows per source (matched through the reverse map), the same sums."""
+    on = ref_op.device
+    r_out, r_w, _, r_idx, r_total, r_routing = ref_op.dispatch(x.to(on), w.to(on), None, idx.to(on),
+                                                               return_routing=True)
+    dev = x.device
+    t = total.item()
+    assert t == r_total.item(), f"total_recv JIT {t} != torch {r_total.item()}"
+    src, r_src = routing.recv_src[:t].long(), r_routing.recv_src[:t].long().to(dev)
+    order, r_order = torch.argsort(src), torch.argsort(r_src)
+    assert torch.equal(src[order], r_src[r_order]), "received source sets differ"
+    assert torch.equal(out[:t].view(torch.uint8)[order], r_out.to(dev)[:t].view(torch.uint8)[r_order])
+    assert torch.equal(out_w[:t][order], r_w.to(dev)[:t][r_order])
+    assert torch.equal(out_idx[:t][order], r_idx.to(dev)[:t][r_order])
+    cfg = op.cfg
+    r_y, r_yw = ref_op.combine(_expert(r_out, cfg.combine_dtype)[:t].to(on), weights=r_w[:t].to(on), routing=r_routing)
+    tol = 1e-2 if cfg.combine_dtype == BF16 else 1e-5
+    torch.testing.assert_close(y.float(), r_y.to(dev).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(y_w, r_yw.to(dev), rtol=1e-5, atol=1e-5)
+
+
+def _round(op, rank, ws, gen, n, *, drop=0.0, all_to=None, ref=None):
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+
+    cfg = op.cfg
+    x, w, idx = make_inputs(rank, n, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts,
+                            cfg.dispatch_dtype, _dev(), gen, drop_frac=drop, all_to_rank=all_to, world_size=ws)
+    _poison(op)
+    out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+    exp = _expert(out, cfg.combine_dtype)
+    exp[total.item():].fill_(float("nan"))  # rows past total_recv must never be read
+    y, y_w = op.combine(exp, weights=out_w, routing=routing)
+    golden_check(op.group, rank, ws, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
+                 _expert(x, cfg.combine_dtype), w, idx, exp, out_w, out_idx, total, routing.recv_src, y, y_w)
+    if ref is not None:
+        _parity(op, ref, x, w, idx, out, out_w, out_idx, total, routing, y, y_w)
+    op.check()
+    return total.item()
+
+
+def _golden_job(rank, ws, gpn, family):
+    from mori_jit.ops.ep import EpDispatchCombineOp
+
+    gen = torch.Generator().manual_seed(4321 + rank)
+    m = 64
+    cases = [(2048, 8, d, c) for d, c in DTYPE_PAIRS] + [(7168, 8, BF16, BF16), (4096, 1, BF16, BF16)]
+    for hidden, k, disp, comb in cases:
+        kw = {"internode_kernel": family}
+        with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, disp, comb, m, **kw), None) as op, \
+                EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, disp, comb, m, "torch"), None) as ref:
+            assert op.memory_kind == "nvshmem"
+            for n, drop, all_to in ((m, 0.0, None), (37, 0.0, None), (0, 0.0, None), (m, 0.3, None),
+                                    (m, 0.0, ws - 1), (1, 0.0, None)):
+                _round(op, rank, ws, gen, n if rank % 2 == 0 else max(0, n - 5), drop=drop, all_to=all_to, ref=ref)
+
+
+def _auto_job(rank, ws, gpn):
+    """``auto`` switching family between calls (every rank's call on the same side of the threshold):
+    ``v2_ll`` up to 96 tokens, ``v2`` above; the device-side epochs of both stay in step."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
+
+    gen = torch.Generator().manual_seed(77 + rank)
+    m = 256
+    kw = {"internode_kernel": "auto", "internode_auto_ll_max_tokens": 96}
+    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, m, **kw), None) as op, \
+            EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, m, "torch"), None) as ref:
+        assert op.kernels.schedule.edges == (96, 128, None), op.kernels.schedule
+        for n in (256, 96, 97, 5, 200, 1, 128, 129, 96, 0, 256):
+            _round(op, rank, ws, gen, n, ref=ref)
+
+
+def _rounds_job(rank, ws, gpn, family):
+    from mori_jit.ops.ep import EpDispatchCombineOp
+
+    gen = torch.Generator().manual_seed(99 + rank)
+    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 8, BF16, BF16, 64, internode_kernel=family), None) as op:
+        for i in range(200):  # no reset() between rounds: device-side epochs and counters
+            _round(op, rank, ws, gen, int(torch.randint(0, 65, (1,), generator=gen)))
+            if i % 50 == 0:
+                print(f"[rank {rank}] round {i} ok", flush=True)
+        # dispatches with no combine between them: each waits for the peers to free their slots
+        for _ in range(3):
+            _round(op, rank, ws, gen, 64)
+            torch.distributed.barrier()
+            from mori_jit.ops.ep.golden import make_inputs
+            x, w, idx = make_inputs(rank, 64, 2048, 8, op.cfg.num_experts, BF16, _dev(), gen)
+            op.dispatch(x, w, None, idx)
+            torch.cuda.synchronize()
+            op.check()
+            torch.distributed.barrier()
+
+
+def _graph_job(rank, ws, gpn, family):
+    from mori_jit.ops.ep import EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    dev = _dev()
+    hidden, k, m = 2048, 8, 96
+    for zero_copy in (False, True):
+        with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, BF16, BF16, m, internode_kernel=family), None) as op:
+            cfg = op.cfg
+            sx, sw, sidx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
+            stage = op.get_combine_input_buffer()
+            y_out = torch.empty(m, hidden, dtype=cfg.combine_dtype, device=dev)
+            y_w_out = torch.empty(m, k, dtype=torch.float32, device=dev)
+
+            def step():
+                out, out_w, _, out_idx, total, routing = op.dispatch(sx, sw, None, sidx, return_routing=True)
+                if zero_copy:
+                    stage.copy_(out)
+                    y, y_w = op.combine(stage, weights=out_w, routing=routing, out=y_out, out_weights=y_w_out)
+                else:
+                    y, y_w = op.combine(out, weights=out_w, routing=routing)
+                return out, out_w, out_idx, total, routing, y, y_w
+
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step()  # warm-up outside capture
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = step()
+            for _ in range(20):
+                torch.distributed.barrier()  # peers must be done checking before the next dispatch
+                x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
+                sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
+                outs[5].fill_(float("nan")), outs[6].fill_(float("nan"))
+                graph.replay()
+                out, out_w, out_idx, total, routing, y, y_w = outs
+                golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, sx, sw, sidx, out, out_w,
+                             out_idx, total, routing.recv_src, y, y_w)
+            op.check()
+
+
+def _timeout_job(rank, ws, gpn, family):
+    from mori_jit.ops.ep import EpDeviceError, EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import make_inputs
+
+    os.environ["MORI_EP_TIMEOUT_S"] = "2"
+    gen = torch.Generator().manual_seed(5 + rank)
+    with EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 4, BF16, BF16, 32, internode_kernel=family), None) as op:
+        _round(op, rank, ws, gen, 32)
+        torch.distributed.barrier()
+        x, w, idx = make_inputs(rank, 32, 2048, 4, op.cfg.num_experts, BF16, _dev(), gen)
+        if rank == 0:
+            op.dispatch(x, w, None, idx)  # no other rank dispatches: rank 0's wait must give up
+            torch.cuda.synchronize()
+            with pytest.raises(EpDeviceError, match=r"rank 0: dispatch: waiting for a (peer's rows|forwarder).* from "
+                                                    r"rank [0-9]+ timed out"):
+                op.check()
+            with pytest.raises(EpDeviceError):
+                op.dispatch(x, w, None, idx)  # the next call raises too
+        op.reset()  # collective
+        for _ in range(3):
+            _round(op, rank, ws, gen, 32)
+        torch.distributed.barrier()
+        out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        if rank == 0:  # a combine no other rank joins
+            op.combine(out, weights=out_w, routing=routing)
+            torch.cuda.synchronize()
+            with pytest.raises(EpDeviceError, match=r"rank 0: combine: waiting for a (peer's rows|forwarder's partial "
+                                                    r"sums).* from rank [0-9]+ timed out"):
+                op.check()
+        op.reset()
+        _round(op, rank, ws, gen, 32)
+
+
+def _short_input_job(rank, ws, gpn, family):
+    """Rank 0 combines fewer rows than it received: reported there, and on every rank whose tokens
+    lost rows by it (never a silent wrong sum); reset() recovers."""
+    from mori_jit.ops.ep import EpDeviceError, EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import make_inputs
+
+    gen = torch.Generator().manual_seed(31 + rank)
+    m, hidden, k = 40, 2048, 8
+    with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, BF16, BF16, m, internode_kernel=family), None) as op:
+        _round(op, rank, ws, gen, m)
+        torch.distributed.barrier()
+        x, w, idx = make_inputs(rank, m, hidden, k, op.cfg.num_experts, BF16, _dev(), gen)
+        out, out_w, _, _, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        t = total.item()
+        rows = t // 2 if rank == 0 else t
+        lost = torch.zeros(ws, dtype=torch.int32)  # by home rank of a dropped row
+        if rank == 0:
+            lost[(routing.recv_src[rows:t].long() // m).unique().cpu()] = 1
+        if torch.distributed.get_backend() != "gloo":
+            lost = lost.to(_dev())
+        torch.distributed.broadcast(lost, 0)
+        op.combine(out[:rows].clone(), weights=out_w[:rows].clone(), routing=routing)
+        torch.cuda.synchronize()
+        if rank == 0:
+            with pytest.raises(EpDeviceError, match=f"rank 0: combine input had {rows} rows but dispatch received {t}"):
+                op.check()
+        elif lost[rank]:
+            with pytest.raises(EpDeviceError, match=f"rank {rank}: rank 0's combine input was short"):
+                op.check()
+        else:
+            op.check()  # none of this rank's tokens lost a row
+        op.reset()
+        _round(op, rank, ws, gen, m)
+
+
+_LAYOUT = pytest.mark.parametrize("ws, gpn", LAYOUTS, ids=[f"ws{ws}-gpn{g}" for ws, g in LAYOUTS])
+_FAMILY = pytest.mark.parametrize("family", FAMILIES)
+
+
+@_LAYOUT
+@_FAMILY
+def test_internode_golden_all_dtypes_and_parity(ws, gpn, family):
+    run_shmem_job(_golden_job, ws, gpn, family, timeout=900)
+
+
+@_LAYOUT
+def test_internode_auto_switches_family_between_calls(ws, gpn):
+    run_shmem_job(_auto_job, ws, gpn)
+
+
+@_LAYOUT
+@_FAMILY
+def test_internode_200_rounds_and_dispatch_without_combine(ws, gpn, family):
+    run_shmem_job(_rounds_job, ws, gpn, family)
+
+
+@_LAYOUT
+@_FAMILY
+def test_internode_graph_replay(ws, gpn, family):
+    run_shmem_job(_graph_job, ws, gpn, family)
+
+
+@_LAYOUT
+@_FAMILY
+def test_internode_timeout_names_wait_and_rank_and_reset_recovers(ws, gpn, family):
+    run_shmem_job(_timeout_job, ws, gpn, family, timeout=300)
+
+
+@_LAYOUT
+@_FAMILY
+def test_internode_short_combine_input_is_reported_where_rows_were_lost(ws, gpn, family):
+    run_shmem_job(_short_input_job, ws, gpn, family)

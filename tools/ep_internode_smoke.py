@@ -1,0 +1,93 @@
+"""Internode dispatch + combine rounds (NVSHMEM) with step-by-step progress; prints PASS, FAIL or SKIP.
+
+    PYTHONPATH=. python3 tools/ep_internode_smoke.py [--family v2_ll|v2|auto] [--ws 2] [--gpu-per-node 1]
+        [--hidden 2048] [--k 4] [--m 32] [--rounds 3]
+
+Ranks go round-robin over the visible GPUs (``mori_jit/testing/gpu_world.py``); ranks that share a
+GPU run under CUDA MPS (started here when none runs and this is root) with each rank's
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` set, as NVSHMEM needs. Each rank prints which peers its
+arena reaches with loads and stores (NVSHMEM's P2P transport) and which only through puts.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+
+def _log(rank, msg):
+    print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _job(rank, ws, gpn, hidden, k, m, rounds, family):
+    faulthandler.dump_traceback_later(90, exit=False)
+    from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+
+    cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, gpu_per_node=gpn, hidden_dim=hidden,
+                                  max_num_inp_token_per_rank=m, num_experts_per_rank=max(1, 16 // ws),
+                                  num_experts_per_token=k, internode_kernel=family)
+    _log(rank, f"constructing op (MPS thread percentage {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE')})")
+    with EpDispatchCombineOp(cfg) as op:
+        p2p = [pe for pe, p in enumerate(op.arena.peer_bases) if p]
+        _log(rank, f"op ready ({family}, buckets {op.kernels.schedule.edges}): memory {op.memory_kind}, {op.arena.tensor.numel()} bytes; peers reached by "
+                   f"loads/stores (P2P) {p2p}, by puts only {sorted(set(range(ws)) - set(p2p))}; "
+                   f"same node as this rank {[pe for pe in range(ws) if pe // gpn == rank // gpn]}")
+        gen = torch.Generator().manual_seed(rank)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        for r in range(rounds):
+            x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, torch.bfloat16, dev, gen)
+            out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+            torch.cuda.synchronize()
+            op.check()
+            _log(rank, f"round {r}: dispatch done, total_recv={total.item()}")
+            y, y_w = op.combine(out, weights=out_w, routing=routing)
+            torch.cuda.synchronize()
+            op.check()
+            _log(rank, f"round {r}: combine done")
+            golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, x, w, idx, out, out_w, out_idx, total,
+                         routing.recv_src, y, y_w)
+            _log(rank, f"round {r}: golden ok")
+            torch.distributed.barrier()  # `out` is valid until any rank's next dispatch
+    faulthandler.cancel_dump_traceback_later()
+
+
+def main() -> int:
+    """Run the job; print PASS, FAIL (with the error) or SKIP (why it cannot run here)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=("v2_ll", "v2", "auto"), default="v2_ll")
+    ap.add_argument("--ws", type=int, default=2)
+    ap.add_argument("--gpu-per-node", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--m", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    os.environ.setdefault("MORI_EP_TIMEOUT_S", "10")
+    from _pytest.outcomes import Skipped
+
+    from mori_jit.testing.gpu_world import stop_mps
+    from mori_jit.testing.gpu_world_shmem import run_shmem_job
+    try:
+        run_shmem_job(_job, a.ws, a.gpu_per_node, a.hidden, a.k, a.m, a.rounds, a.family, timeout=300)
+    except Skipped as e:
+        print(f"SKIP: {e}")
+        return 2
+    except BaseException:  # noqa: BLE001 - the report is the point
+        traceback.print_exc()
+        print("FAIL")
+        return 1
+    finally:
+        stop_mps()
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
