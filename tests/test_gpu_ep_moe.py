@@ -29,3 +29,143 @@ def test_torch_backend_moe_features_on_nccl(ws):
 def test_moe_block_on_nccl_matches_the_dense_block(ws, mode):
     _gpus_for(ws)
     run_distributed(_layer_job, ws, mode, backend="nccl", timeout=600)
+
+
+# ---- the hip backend's MoE features, against the torch backend and the golden checks -----------------
+# One job per feature config runs at every world size of MORI_EP_TEST_WORLD_SIZES (ranks share a GPU
+# under MPS where there are fewer GPUs); shapes are small (hidden 256, 32 tokens) to keep builds and
+# runs cheap.
+
+from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job  # noqa: E402
+
+HIP_M, HIP_H, HIP_EPR, HIP_K = 32, 256, 4, 4
+#: feature -> the config fields that turn it on (hip and torch backends alike)
+HIP_FEATURES = {
+    "int64_ids": dict(index_dtype=torch.int64),
+}
+#: payload regions a dispatch writes (poisoned before each call); the sync words are left alone
+_OUTPUT_REGIONS = ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv", "comb_recv",
+                   "comb_recv_wts")
+
+
+def _hip_cfg(rank, ws, backend, fields):
+    from mori_jit.ops.ep import EpDispatchCombineConfig
+
+    return EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=HIP_H, max_num_inp_token_per_rank=HIP_M,
+                                   num_experts_per_rank=HIP_EPR, num_experts_per_token=HIP_K, kernel_backend=backend,
+                                   **fields)
+
+
+def _poison_regions(op, names):
+    """Fill the op's regions ``names`` with 0xFF bytes (NaN, -1), then make sure no peer is mid-call."""
+    a = op.arena
+    for name in names:
+        if name in a.offsets:
+            a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+
+
+def _identity_expert(out, dtype):
+    """Byte payloads map byte value -> number (exact in bf16); others are cast."""
+    return out.view(torch.uint8).to(dtype) if out.element_size() == 1 else out.to(dtype)
+
+
+def _sorted_by_source(res, t):
+    """Rows ``[0, total)`` of ``t`` ordered by their source token (arrival order differs by backend)."""
+    total = int(res.total_recv.item())
+    src = res.routing.recv_src[:total].long().to(t.device)
+    return t[:total][torch.argsort(src)]
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def _hip_parity(res, ref):
+    """hip vs torch: the same received rows (bytes), weights, ids and scales per source, the same counts."""
+    dev = res.out.device
+    for what in ("out", "out_weights", "out_indices", "out_scales"):
+        got, want = getattr(res, what), getattr(ref, what)
+        assert (got is None) == (want is None), what
+        if got is not None:
+            assert got.dtype == want.dtype, f"{what}: {got.dtype} != {want.dtype}"
+            assert torch.equal(_bytes(_sorted_by_source(res, got)), _bytes(_sorted_by_source(ref, want.to(dev)))), what
+    assert (res.expert_counts is None) == (ref.expert_counts is None)
+    if res.expert_counts is not None:
+        assert torch.equal(res.expert_counts, ref.expert_counts.to(dev)), "expert_counts"
+
+
+def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
+    """One dispatch (+ replay, + combine) on both backends: golden checks and parity."""
+    from test_ep_moe_cpu import _received, _scales
+
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.ops.ep.golden_moe import golden_check_experts
+
+    cfg, dev = op.cfg, _hip_dev()
+    x, w, idx = make_inputs(rank, n, HIP_H, HIP_K, cfg.num_experts, cfg.input_dtype, dev, gen, drop_frac=drop,
+                            all_to_rank=to, world_size=ws, index_dtype=cfg.index_dtype)
+    w = w if with_w else None
+    s = _scales(cfg, n, gen, dev)
+    _poison_regions(op, _OUTPUT_REGIONS + ("out_scales", "expert_counts"))
+    res = op.dispatch(x, w, s, idx, return_result=True)
+    on = ref.device
+    r = ref.dispatch(x.to(on), None if w is None else w.to(on), None if s is None else s.to(on), idx.to(on),
+                     return_result=True)
+    xq, sq = _received(cfg, x, s)
+    wg = w if w is not None else torch.zeros(n, HIP_K, device=dev)
+    golden_check(op.group, rank, ws, HIP_M, HIP_EPR, xq, wg, idx, res.out, res.out_weights, res.out_indices,
+                 res.total_recv, res.routing.recv_src, None, None, scales=sq, out_scales=res.out_scales)
+    if cfg.expert_counts:
+        golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, xq, w, idx, res.expert_counts, None, scales=sq)
+    _hip_parity(res, r)
+    if cfg.routing_replay:
+        recv_src = res.routing.recv_src.clone()
+        x2, w2, _ = make_inputs(rank, n, HIP_H, HIP_K, cfg.num_experts, cfg.input_dtype, dev, gen)
+        w2 = w2 if with_w else None
+        s2 = _scales(cfg, n, gen, dev)
+        _poison_regions(op, ("disp_out", "out_wts", "out_scales"))  # the replay must write them again
+        res = op.dispatch(x2, w2, s2, None, routing=res.routing, return_result=True)
+        r = ref.dispatch(x2.to(on), None if w2 is None else w2.to(on), None if s2 is None else s2.to(on), None,
+                         routing=r.routing, return_result=True)
+        assert torch.equal(res.routing.recv_src, recv_src), "a replay moved rows"
+        x, w, s = x2, w2, s2
+        xq, sq = _received(cfg, x, s)
+        wg = w if w is not None else torch.zeros(n, HIP_K, device=dev)
+        golden_check(op.group, rank, ws, HIP_M, HIP_EPR, xq, wg, idx, res.out, res.out_weights, res.out_indices,
+                     res.total_recv, recv_src, None, None, scales=sq, out_scales=res.out_scales)
+        _hip_parity(res, r)
+    exp = _identity_expert(res.out, cfg.combine_dtype)
+    exp[int(res.total_recv.item()):].fill_(float("nan"))  # rows past total_recv must never be read
+    y, y_w = op.combine(exp, weights=res.out_weights, routing=res.routing)
+    golden_check(op.group, rank, ws, HIP_M, HIP_EPR, _identity_expert(xq, cfg.combine_dtype), wg, idx, exp, None,
+                 None, res.total_recv, res.routing.recv_src, y, y_w)
+
+
+def _hip_dev():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _hip_features_job(rank, ws, feature):
+    from mori_jit.ops.ep import EpDispatchCombineOp
+
+    gen = torch.Generator().manual_seed(313 + rank)
+    fields = HIP_FEATURES[feature]
+    # token counts change every call; dropped slots; every token to the last rank; nothing sent
+    calls = [(HIP_M, 0.0, None, True), ([0, HIP_M - 1, 5, 17][rank % 4], 0.3, None, True),
+             (HIP_M - rank % 3, 0.0, ws - 1, True), (7 + rank % 5, 0.2, None, False), (0, 0.0, None, True)]
+    with EpDispatchCombineOp(_hip_cfg(rank, ws, "hip", fields)) as op, \
+            EpDispatchCombineOp(_hip_cfg(rank, ws, "torch", fields)) as ref:
+        for i, call in enumerate(calls):
+            try:
+                _hip_call(op, ref, rank, ws, gen, *call)
+            except Exception as e:
+                raise AssertionError(f"{feature} call {i} (rank {rank} of {ws}, {call[0]} tokens): {e}") from e
+        op.check()
+
+
+@pytest.mark.parametrize("feature", list(HIP_FEATURES))
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_hip_moe_feature_matches_torch_and_golden(ws, feature):
+    run_ep_job(_hip_features_job, ws, feature)

@@ -28,6 +28,18 @@ struct DispatchRound {
   float weight[kTok * kK];
 };
 
+// Expert id i of the input. An int64 id outside [0, numExperts) reads as -1 (compared before
+// narrowing, so no large id aliases a valid one); int32 ids are read as they are.
+template <EpCfg kCfg>
+MORI_DEVICE int LoadExpertId(const EpArgs& args, int i) {
+  if constexpr (kCfg.ids64) {
+    const int64_t v = reinterpret_cast<const int64_t*>(args.inpIndices)[i];
+    return v >= 0 && v < EpNumExperts(kCfg) ? int(v) : -1;
+  } else {
+    return args.inpIndices[i];
+  }
+}
+
 // Phase 1 of dispatch: claim a receive slot on every destination of the round's tokens (owned
 // indices r0 .. r0 + num) and record pe*maxRecv + slot in the forward map (tok_off, for combine) and
 // in the round's shared routing. A pass covers kW / kK tokens per wave; the block sums its waves'
@@ -50,7 +62,7 @@ MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, Dis
     int pe = -1, expert = -1;
     float weight = 0.f;
     if (active) {
-      expert = args.inpIndices[t * kK + j];
+      expert = LoadExpertId<kCfg>(args, t * kK + j);
       if (withWeights) weight = args.inpWeights[t * kK + j];
       if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
     }
@@ -111,7 +123,10 @@ MORI_DEVICE void StoreTokenMeta(const EpArgs& args, const DispatchRound<kCfg>& r
   constexpr int kK = kCfg.numExpertPerToken;
   const int lane = plat::lane_id();
   if (lane >= kK) return;
-  At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
+  if constexpr (kCfg.ids64)  // the source's own id, out-of-range values included
+    At<int64_t>(args, pe, args.off_out_idx)[slot * kK + lane] = reinterpret_cast<const int64_t*>(args.inpIndices)[t * kK + lane];
+  else
+    At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
   if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = round.weight[li * kK + lane];
   if (lane == 0) {
     At<int>(args, pe, args.off_recv_to_src)[slot] = args.rank * kCfg.maxTokPerRank + t;

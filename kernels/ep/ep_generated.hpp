@@ -37,6 +37,7 @@ struct EpCfg {
   int vecUnroll = 4;
   bool lowLatency = false;
   int bulkMinTokens = 0;
+  bool ids64 = false;
 };
 
 // bytes per payload element
@@ -63,7 +64,7 @@ constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((((c.worldSize 
 struct EpArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]
   const float* inpWeights;  // dispatch: weights [n, k]; combine: weights [>=recv, k] or null
-  const int32_t* inpIndices;  // dispatch: expert ids [n, k]
+  const int32_t* inpIndices;  // dispatch: expert ids [n, k] (int64 with ids64)
   void* outTok;  // combine: y [n, H]
   float* outWeights;  // combine: y_w [n, k] or null
   uint64_t* errWord;  // host-mapped error words [4]: code, detail (0 = ok)
@@ -74,7 +75,7 @@ struct EpArgs {
   uint64_t peerBase[8];  // arena base address of every rank, by rank
   uint64_t off_disp_out;  // received token rows [maxRecv, tokenBytes] (written by peers)
   uint64_t off_out_wts;  // received weights [maxRecv, k] f32 (written by peers)
-  uint64_t off_out_idx;  // received expert ids [maxRecv, k] i32 (written by peers)
+  uint64_t off_out_idx;  // received expert ids [maxRecv, k] i32 (i64 with ids64) (written by peers)
   uint64_t off_recv_to_src;  // reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)
   uint64_t off_tok_off;  // forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)
   uint64_t off_recv_num;  // slot counters [2] i32, by epoch parity (peers add atomically)

@@ -173,7 +173,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         cap, hidden, k = EpMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
         out = arena.view("disp_out", cfg.dispatch_dtype, (cap, hidden))
         out_w = arena.view("out_wts", torch.float32, (cap, k))
-        out_idx = arena.view("out_idx", torch.int32, (cap, k))
+        out_idx = arena.view("out_idx", cfg.index_dtype, (cap, k))
         recv_src = arena.view("recv_to_src", torch.int32, (cap,))
         total_recv = arena.view("total_recv", torch.int32, (1,))
         inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)

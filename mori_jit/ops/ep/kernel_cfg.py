@@ -181,6 +181,9 @@ class EpCfg:
     # (EpBulkStages rows in flight, one thread drives it); others, and every block at 0, copy them
     # through the waves' registers. NVIDIA sm_90 and later only.
     bulkMinTokens: int = 0
+    # dispatch: expert ids (the input's and out_idx) are int64, else int32; ids outside
+    # [0, numExperts) drop their slot either way, compared before any narrowing
+    ids64: bool = False
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -257,7 +260,7 @@ def ep_cfg_problems(cfg: EpCfg) -> list[str]:
 EP_REGIONS: dict[str, str] = {
     "disp_out": "received token rows [maxRecv, tokenBytes] (written by peers)",
     "out_wts": "received weights [maxRecv, k] f32 (written by peers)",
-    "out_idx": "received expert ids [maxRecv, k] i32 (written by peers)",
+    "out_idx": "received expert ids [maxRecv, k] i32 (i64 with ids64) (written by peers)",
     "recv_to_src": "reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)",
     "tok_off": "forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)",
     "recv_num": "slot counters [2] i32, by epoch parity (peers add atomically)",
@@ -274,7 +277,7 @@ EP_REGIONS: dict[str, str] = {
 EP_ARGS = ArgsSchema("EpArgs", [
     ptr("inpTok", "const void", "dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]"),
     ptr("inpWeights", "const float", "dispatch: weights [n, k]; combine: weights [>=recv, k] or null"),
-    ptr("inpIndices", "const int32_t", "dispatch: expert ids [n, k]"),
+    ptr("inpIndices", "const int32_t", "dispatch: expert ids [n, k] (int64 with ids64)"),
     ptr("outTok", "void", "combine: y [n, H]"),
     ptr("outWeights", "float", "combine: y_w [n, k] or null"),
     ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail (0 = ok)"),
@@ -298,7 +301,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
     recv, k, m, ws = EpMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank, disp.worldSize
     low = comb.lowLatency
     return {
-        "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * 4,
+        "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * (8 if disp.ids64 else 4),
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
         "src_to_recv": ws * m * 8,
         "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * (8 if low else 4),

@@ -21,7 +21,7 @@ from .schedule import Schedule
 from .tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
-           "config_from_strings", "precompile_targets", "hip_gaps", "internode_gap"]
+           "config_from_strings", "precompile_targets", "hip_gaps", "internode_gap", "dispatch_moe_fields"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
 DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
@@ -50,8 +50,6 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     missing = gather_unquantized_gaps(cfg)
     if cfg.scale_dim or cfg.scale_type_size:
         missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
-    if cfg.index_dtype != torch.int32:
-        missing.append(f"index_dtype={cfg.index_dtype} (the kernels read torch.int32 expert ids)")
     if cfg.expert_counts:
         missing.append("expert_counts=True (local expert counts)")
     if cfg.expert_capacity:
@@ -63,6 +61,12 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     if cfg.world_size > EP_MAX_PEERS:
         missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS}")
     return missing
+
+
+def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
+    """The dispatch EpCfg fields of ``cfg``'s MoE options. Each is off by default, and a Cfg renders
+    only its non-default fields, so an op without them renders, keys and builds as before."""
+    return {"ids64": cfg.index_dtype == torch.int64}
 
 
 def _check_num_cus(num_cus) -> None:
@@ -180,9 +184,11 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
         c = leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low)[0]
         return c if EpRangeTok(c) == 2 else leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low, **ONE_TOKEN_COMBINE)[0]
 
+    moe = dispatch_moe_fields(cfg)
+
     def dispatch(edge, geo):  # a bucket whose blocks can own enough tokens takes the bulk path, as a request
-        c = leg(DISPATCH, cfg.dispatch_dtype, [geo])[0]
-        return leg(DISPATCH, cfg.dispatch_dtype, [geo], bulkMinTokens=BULK_DISPATCH_MIN_TOKENS)[0] \
+        c = leg(DISPATCH, cfg.dispatch_dtype, [geo], **moe)[0]
+        return leg(DISPATCH, cfg.dispatch_dtype, [geo], bulkMinTokens=BULK_DISPATCH_MIN_TOKENS, **moe)[0] \
             if _bulk_dispatch(c, arch, min(edge or cfg.max_num_inp_token_per_rank, cfg.max_num_inp_token_per_rank)) else c
 
     comb = tuple(combine(geo) for geo in sched.combine)

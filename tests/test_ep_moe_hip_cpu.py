@@ -1,0 +1,74 @@
+"""The ``hip`` backend's MoE features on the CPU: what the capability gate still refuses, the EpCfg
+fields each feature sets (so its key), the arena regions it sizes, and the real compilers (nvcc for
+``sm_90a``, Debian's hipcc for ``gfx90a``) building the kernels with each feature on. An op with no
+feature asks for exactly the EpCfgs it asked for before (each feature is off in the default Cfg)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from jit_helpers import toolchain_or_skip
+from mori_jit.jit.compile import build
+from mori_jit.jit.toolchain import make_toolchain
+from mori_jit.ops.ep import EpDispatchCombineConfig
+from mori_jit.ops.ep.kernel_cfg import EpCfg, region_bytes
+from mori_jit.ops.ep.variants import ep_variants, hip_gaps, plan_requests
+
+BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
+            num_experts_per_token=4)
+#: every EpCfg field a MoE feature adds, all off by default
+MOE_FIELDS = ("ids64",)
+
+
+def _cfg(**fields) -> EpDispatchCombineConfig:
+    return EpDispatchCombineConfig(**{**BASE, **fields})
+
+
+def _variants(cfg, arch="sm_90a"):
+    return ep_variants(cfg, arch, 132)
+
+
+def test_a_plain_op_sets_no_moe_field():
+    var = _variants(_cfg())
+    defaults = EpCfg()
+    for c in var.dispatch + var.combine:
+        for f in MOE_FIELDS:
+            assert getattr(c, f) == getattr(defaults, f), f
+
+
+def test_int64_ids_are_a_dispatch_cfg_field_and_widen_out_idx():
+    plain, wide = _variants(_cfg()), _variants(_cfg(index_dtype=torch.int64))
+    assert hip_gaps(_cfg(index_dtype=torch.int64), "sm_90a") == []
+    assert all(c.ids64 for c in wide.dispatch)
+    assert wide.combine == plain.combine  # combine never reads ids: same binaries
+    assert [dataclasses.replace(c, ids64=False) for c in wide.dispatch] == list(plain.dispatch)
+    tc = make_toolchain("sm_90a")
+    names = {spec.entry_name(c) for spec, c in plan_requests(_cfg(index_dtype=torch.int64), "sm_90a", 132)}
+    assert any(n.startswith("mori_ep_dispatch") and n.endswith("_i64") for n in names)
+    src = {spec.render_source(c, tc) for spec, c in wide.requests()} - {spec.render_source(c, tc)
+                                                                          for spec, c in plain.requests()}
+    assert src and all(".ids64=true" in s for s in src)  # the field is in the text, so in the key
+    k, cap = BASE["num_experts_per_token"], 2 * BASE["max_num_inp_token_per_rank"]
+    assert region_bytes(plain.dispatch[0], plain.combine[0])["out_idx"] == cap * k * 4
+    assert region_bytes(wide.dispatch[0], wide.combine[0])["out_idx"] == cap * k * 8
+
+
+#: op configs with each feature on, as the real compilers build them (small shapes: fast builds)
+FEATURE_CFGS = {"ids64": dict(index_dtype=torch.int64)}
+
+
+@pytest.mark.parametrize("feature", list(FEATURE_CFGS))
+@pytest.mark.parametrize("arch,compiler", [("sm_90a", "nvcc"), ("gfx90a", "hipcc")])
+def test_real_compilers_build_the_moe_kernels(arch, compiler, feature):
+    tc = toolchain_or_skip(arch)
+    cfg = _cfg(**FEATURE_CFGS[feature])
+    built = []
+    for spec, c in plan_requests(cfg, arch, 104):
+        if spec.kind != "dispatch":
+            continue
+        e = build(spec, c, tc)
+        assert spec.entry_name(c).encode() in e.binary.read_bytes()
+        built.append(c)
+    assert built and all(getattr(c, feature) for c in built)
