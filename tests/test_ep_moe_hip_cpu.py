@@ -19,7 +19,7 @@ from mori_jit.ops.ep.variants import ep_variants, hip_gaps, plan_requests
 BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
             num_experts_per_token=4)
 #: every EpCfg field a MoE feature adds, all off by default
-MOE_FIELDS = ("ids64",)
+MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize")
 
 
 def _cfg(**fields) -> EpDispatchCombineConfig:
@@ -55,20 +55,52 @@ def test_int64_ids_are_a_dispatch_cfg_field_and_widen_out_idx():
     assert region_bytes(wide.dispatch[0], wide.combine[0])["out_idx"] == cap * k * 8
 
 
-#: op configs with each feature on, as the real compilers build them (small shapes: fast builds)
-FEATURE_CFGS = {"ids64": dict(index_dtype=torch.int64)}
+@pytest.mark.parametrize("dtype,dim,size", [(torch.bfloat16, 2, 4), (torch.float8_e4m3fn, 3, 1),
+                                            (torch.float32, 5, 2), (torch.bfloat16, 1, 8)])
+def test_scales_are_dispatch_cfg_fields_with_their_own_region(dtype, dim, size):
+    plain = _variants(_cfg(dispatch_data_type=dtype, combine_data_type=torch.bfloat16))
+    scaled = _variants(_cfg(dispatch_data_type=dtype, combine_data_type=torch.bfloat16, scale_dim=dim,
+                            scale_type_size=size))
+    assert hip_gaps(_cfg(scale_dim=dim, scale_type_size=size), "sm_90a") == []
+    assert all((c.scaleDim, c.scaleTypeSize) == (dim, size) for c in scaled.dispatch)
+    assert scaled.combine == plain.combine
+    assert [dataclasses.replace(c, scaleDim=0, scaleTypeSize=0) for c in scaled.dispatch] == list(plain.dispatch)
+    cap = 2 * BASE["max_num_inp_token_per_rank"]
+    assert region_bytes(plain.dispatch[0], plain.combine[0])["out_scales"] == 0
+    assert region_bytes(scaled.dispatch[0], scaled.combine[0])["out_scales"] == cap * dim * size
+    assert all(spec.entry_name(c).endswith(f"_s{dim}x{size}") for spec, c in scaled.requests() if spec.kind == "dispatch")
+
+
+@pytest.mark.parametrize("dim,size", [(2, 3), (0, 4), (2, 0), (-1, 4)])
+def test_an_ep_cfg_refuses_inconsistent_scales(dim, size):
+    from mori_jit.jit.fields import ConfigError
+
+    with pytest.raises(ConfigError, match="scaleDim and scaleTypeSize must be both 0"):
+        EpCfg(scaleDim=dim, scaleTypeSize=size)
+
+
+#: op configs with each feature on, as the real compilers build them (small shapes: fast builds), and
+#: the EpCfg field that feature sets; 4096 tokens at EP2 take the bulk-copy dispatch on sm_90a
+FEATURE_CFGS = {
+    "int64_ids": (dict(index_dtype=torch.int64), "ids64"),
+    "scales": (dict(scale_dim=3, scale_type_size=4), "scaleDim"),
+    "scales_bulk_fp8": (dict(scale_dim=2, scale_type_size=1, max_num_inp_token_per_rank=4096,
+                             dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16), "scaleDim"),
+}
 
 
 @pytest.mark.parametrize("feature", list(FEATURE_CFGS))
 @pytest.mark.parametrize("arch,compiler", [("sm_90a", "nvcc"), ("gfx90a", "hipcc")])
 def test_real_compilers_build_the_moe_kernels(arch, compiler, feature):
     tc = toolchain_or_skip(arch)
-    cfg = _cfg(**FEATURE_CFGS[feature])
+    fields, field = FEATURE_CFGS[feature]
     built = []
-    for spec, c in plan_requests(cfg, arch, 104):
+    for spec, c in plan_requests(_cfg(**fields), arch, 104):
         if spec.kind != "dispatch":
             continue
         e = build(spec, c, tc)
         assert spec.entry_name(c).encode() in e.binary.read_bytes()
         built.append(c)
-    assert built and all(getattr(c, feature) for c in built)
+    assert built and all(getattr(c, field) for c in built)
+    if feature.endswith("_bulk_fp8") and arch == "sm_90a":
+        assert any(c.bulkMinTokens for c in built)

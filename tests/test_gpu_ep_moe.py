@@ -39,9 +39,12 @@ def test_moe_block_on_nccl_matches_the_dense_block(ws, mode):
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job  # noqa: E402
 
 HIP_M, HIP_H, HIP_EPR, HIP_K = 32, 256, 4, 4
-#: feature -> the config fields that turn it on (hip and torch backends alike)
+FP8, E8M0 = torch.float8_e4m3fn, getattr(torch, "float8_e8m0fnu", torch.uint8)
+#: feature -> the configs (their fields) that exercise it, on the hip and torch backends alike
 HIP_FEATURES = {
-    "int64_ids": dict(index_dtype=torch.int64),
+    "int64_ids": [dict(index_dtype=torch.int64)],
+    "scales": [dict(scale_dim=3, scale_type_size=4, dispatch_data_type=FP8, combine_data_type=torch.bfloat16),
+               dict(scale_dim=2, scale_type_size=1, index_dtype=torch.int64)],
 }
 #: payload regions a dispatch writes (poisoned before each call); the sync words are left alone
 _OUTPUT_REGIONS = ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv", "comb_recv",
@@ -151,18 +154,20 @@ def _hip_features_job(rank, ws, feature):
     from mori_jit.ops.ep import EpDispatchCombineOp
 
     gen = torch.Generator().manual_seed(313 + rank)
-    fields = HIP_FEATURES[feature]
     # token counts change every call; dropped slots; every token to the last rank; nothing sent
     calls = [(HIP_M, 0.0, None, True), ([0, HIP_M - 1, 5, 17][rank % 4], 0.3, None, True),
              (HIP_M - rank % 3, 0.0, ws - 1, True), (7 + rank % 5, 0.2, None, False), (0, 0.0, None, True)]
-    with EpDispatchCombineOp(_hip_cfg(rank, ws, "hip", fields)) as op, \
-            EpDispatchCombineOp(_hip_cfg(rank, ws, "torch", fields)) as ref:
-        for i, call in enumerate(calls):
-            try:
-                _hip_call(op, ref, rank, ws, gen, *call)
-            except Exception as e:
-                raise AssertionError(f"{feature} call {i} (rank {rank} of {ws}, {call[0]} tokens): {e}") from e
-        op.check()
+    for fields in HIP_FEATURES[feature]:
+        print(f"[rank {rank}] {feature}: {fields}", flush=True)
+        with EpDispatchCombineOp(_hip_cfg(rank, ws, "hip", fields)) as op, \
+                EpDispatchCombineOp(_hip_cfg(rank, ws, "torch", fields)) as ref:
+            for i, call in enumerate(calls):
+                try:
+                    _hip_call(op, ref, rank, ws, gen, *call)
+                except Exception as e:
+                    raise AssertionError(f"{feature} {fields} call {i} (rank {rank} of {ws}, {call[0]} tokens): "
+                                         f"{e}") from e
+            op.check()
 
 
 @pytest.mark.parametrize("feature", list(HIP_FEATURES))

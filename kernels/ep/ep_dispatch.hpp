@@ -134,6 +134,24 @@ MORI_DEVICE void StoreTokenMeta(const EpArgs& args, const DispatchRound<kCfg>& r
   }
 }
 
+// The scale words of kCfg.scaleTypeSize bytes (the scales are moved, never read as numbers).
+template <int kBytes> struct ScaleWordOf;
+template <> struct ScaleWordOf<1> { using type = uint8_t; };
+template <> struct ScaleWordOf<2> { using type = uint16_t; };
+template <> struct ScaleWordOf<4> { using type = uint32_t; };
+template <> struct ScaleWordOf<8> { using type = uint64_t; };
+
+// Token t's per-token scales to (pe, slot), by the wave (nothing without scales).
+template <EpCfg kCfg>
+MORI_DEVICE void StoreTokenScales(const EpArgs& args, int t, int pe, int slot) {
+  if constexpr (kCfg.scaleDim > 0) {
+    using S = typename ScaleWordOf<kCfg.scaleTypeSize>::type;
+    const S* src = static_cast<const S*>(args.inpScales) + size_t(t) * kCfg.scaleDim;
+    S* dst = At<S>(args, pe, args.off_out_scales) + size_t(slot) * kCfg.scaleDim;
+    for (int i = plat::lane_id(); i < kCfg.scaleDim; i += kCfg.waveSize) dst[i] = src[i];
+  }
+}
+
 // Rows through the bulk-copy unit (thread 0 of a block that owns at least kCfg.bulkMinTokens
 // tokens): each owned row is loaded once into one of kStages shared stages and stored from there
 // to each of its destinations, the loads running kStages - 1 rows ahead of the stores, while the
@@ -247,7 +265,10 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
       constexpr int kMetaWaves = kCfg.warpPerBlock > 1 ? kCfg.warpPerBlock - 1 : 1;  // wave 0 holds thread 0
       for (int li = wave - (kCfg.warpPerBlock - kMetaWaves); li >= 0 && li < num; li += kMetaWaves) {
         const int t = OwnedToken<kCfg>(r0 + li);
-        ForEachDest<kCfg>(round, li, [&](int pe, int slot) { StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights); });
+        ForEachDest<kCfg>(round, li, [&](int pe, int slot) {
+          StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
+          StoreTokenScales<kCfg>(args, t, pe, slot);
+        });
       }
       continue;
     }
@@ -260,7 +281,10 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
           if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
-        if (chunk == 0) StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);  // with the first chunk
+        if (chunk == 0) {  // with the first chunk
+          StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
+          StoreTokenScales<kCfg>(args, t, pe, slot);
+        }
       });
     }
   }

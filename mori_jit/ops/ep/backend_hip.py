@@ -25,7 +25,7 @@ from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
 from .variants import ep_variants, hip_gaps
 
-__all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSAGES", "decode_error"]
+__all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "ScaleViews", "WAIT_MESSAGES", "decode_error"]
 
 #: What each spin-wait of the kernels waits for (every WaitId has one; a CPU test checks).
 WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispatch-done count",
@@ -123,6 +123,24 @@ class CombineOutputs:
         return torch.empty_like(self._templates(n)[1])
 
 
+class ScaleViews:
+    """The ``out_scales`` region as ``[cap, scale_dim]`` in the dtype of the scales a dispatch passed
+    (float32, UE8M0 bytes, ...: the kernels move bytes), one view per dtype, made once."""
+
+    def __init__(self, arena: SymmArena, cap: int, scale_dim: int):
+        self._arena, self._shape = arena, (cap, scale_dim)
+        self._views: dict[torch.dtype, torch.Tensor] = {}
+
+    def of(self, scales: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The view in ``scales``' dtype (None: no scales)."""
+        if scales is None:
+            return None
+        view = self._views.get(scales.dtype)
+        if view is None:
+            view = self._views[scales.dtype] = self._arena.view("out_scales", scales.dtype, self._shape)
+        return view
+
+
 class EpDispatchCombineOpHip(EpDispatchCombineOp):
     """EP op on the JIT kernels."""
 
@@ -176,6 +194,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         out_idx = arena.view("out_idx", cfg.index_dtype, (cap, k))
         recv_src = arena.view("recv_to_src", torch.int32, (cap,))
         total_recv = arena.view("total_recv", torch.int32, (1,))
+        scale_views = ScaleViews(arena, cap, cfg.scale_dim)
         inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
 
         given = arena.tensor.data_ptr()  # (see _weights_ptr)
@@ -185,8 +204,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             dargs.inpWeights = _weights_ptr(weights, given)
             dargs.inpIndices = indices.data_ptr()
             dargs.numTokens = x.shape[0]
+            dargs.inpScales = scales.data_ptr() if scales is not None else 0
             disp_launch[v]()
-            return (out, out_w if weights is not None else None, None, out_idx, total_recv,
+            return (out, out_w if weights is not None else None, scale_views.of(scales), out_idx, total_recv,
                     HipRouting(x.shape[0], recv_src, total_recv))
 
         # from the default allocator (never from inp, which may lie in the symmetric arena)
@@ -235,6 +255,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             err, inp_buffer = torch.empty(0), None
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
-                         capabilities=frozenset({"graph", "zero_copy_combine"}),
+                         capabilities=frozenset({"graph", "zero_copy_combine", "scales"}),
                          check=check, reset=reset, combine_input_buffer=combine_input_buffer, close=close,
                          bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)})

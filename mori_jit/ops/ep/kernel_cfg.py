@@ -184,6 +184,10 @@ class EpCfg:
     # dispatch: expert ids (the input's and out_idx) are int64, else int32; ids outside
     # [0, numExperts) drop their slot either way, compared before any narrowing
     ids64: bool = False
+    # dispatch: per-token scales forwarded with their rows (inpScales [n, scaleDim] -> out_scales),
+    # elements of scaleTypeSize bytes (1, 2, 4 or 8); 0 and 0: none
+    scaleDim: int = 0
+    scaleTypeSize: int = 0
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -234,6 +238,9 @@ _RULES: list[tuple[Any, str]] = [
     (EpBlockThreads <= EP_MAX_BLOCK_THREADS, f"warpPerBlock*waveSize must be <= {EP_MAX_BLOCK_THREADS}"),
     ((C.vecUnroll >= 1) & (C.vecUnroll <= 8), "vecUnroll must be in 1..8"),
     (C.bulkMinTokens >= 0, "bulkMinTokens must be >= 0"),
+    ((C.scaleDim.eq(0) & C.scaleTypeSize.eq(0)) | ((C.scaleDim >= 1) & (C.scaleTypeSize.eq(1) | C.scaleTypeSize.eq(2)
+                                                                       | C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(8))),
+     "scaleDim and scaleTypeSize must be both 0 (no scales) or scaleDim >= 1 with scaleTypeSize 1, 2, 4 or 8"),
     (EpBulkSmemBytes <= EP_MAX_BULK_SMEM, f"bulk-copy stages (EpBulkStages * token bytes) must fit in "
                                           f"{EP_MAX_BULK_SMEM} bytes of shared memory"),
 ]
@@ -272,6 +279,7 @@ EP_REGIONS: dict[str, str] = {
     "xdb": "cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count",
     "sync": "local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim",
     "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
+    "out_scales": "received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales",
 }
 
 EP_ARGS = ArgsSchema("EpArgs", [
@@ -287,6 +295,7 @@ EP_ARGS = ArgsSchema("EpArgs", [
     i64("timeoutNs", doc="spin-wait bound in ns"),
     u64("peerBase", EP_MAX_PEERS, "arena base address of every rank, by rank"),
     *[u64(f"off_{name}", doc=doc) for name, doc in EP_REGIONS.items()],
+    ptr("inpScales", "const void", "dispatch: per-token scales [n, scaleDim] of scaleTypeSize bytes, or null"),
 ])
 
 register_header(GeneratedHeader(
@@ -307,6 +316,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * (8 if low else 4),
         "comb_flags": 0 if low else ws * m * 8,
         "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": EP_SYNC_WORDS * 8, "stamps": EP_STAMP_WORDS * 8,
+        "out_scales": recv * disp.scaleDim * disp.scaleTypeSize,
     }
 
 

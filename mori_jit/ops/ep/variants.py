@@ -48,8 +48,6 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     GPUs) (empty = they can); the live op adds the device check, ``mori-jit precompile --ep``
     refuses the same configs."""
     missing = gather_unquantized_gaps(cfg)
-    if cfg.scale_dim or cfg.scale_type_size:
-        missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
     if cfg.expert_counts:
         missing.append("expert_counts=True (local expert counts)")
     if cfg.expert_capacity:
@@ -66,7 +64,7 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
 def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
     """The dispatch EpCfg fields of ``cfg``'s MoE options. Each is off by default, and a Cfg renders
     only its non-default fields, so an op without them renders, keys and builds as before."""
-    return {"ids64": cfg.index_dtype == torch.int64}
+    return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size}
 
 
 def _check_num_cus(num_cus) -> None:
