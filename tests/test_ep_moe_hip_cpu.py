@@ -19,7 +19,7 @@ from mori_jit.ops.ep.variants import ep_variants, hip_gaps, plan_requests
 BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
             num_experts_per_token=4)
 #: every EpCfg field a MoE feature adds, all off by default
-MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize")
+MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize", "expertCounts")
 
 
 def _cfg(**fields) -> EpDispatchCombineConfig:
@@ -79,11 +79,37 @@ def test_an_ep_cfg_refuses_inconsistent_scales(dim, size):
         EpCfg(scaleDim=dim, scaleTypeSize=size)
 
 
+def test_expert_counts_are_a_dispatch_cfg_field_with_parity_counters():
+    plain, counted = _variants(_cfg()), _variants(_cfg(expert_counts=True))
+    assert hip_gaps(_cfg(expert_counts=True), "sm_90a") == []
+    assert all(c.expertCounts for c in counted.dispatch) and counted.combine == plain.combine
+    E = BASE["num_experts_per_rank"]
+    got = region_bytes(counted.dispatch[0], counted.combine[0])
+    assert (got["expert_adds"], got["expert_counts"]) == (2 * E * 4, E * 4)
+    none = region_bytes(plain.dispatch[0], plain.combine[0])
+    assert (none["expert_adds"], none["expert_counts"]) == (0, 0)
+    # a reset clears the parity counters with the other sync words (a failed dispatch may have added)
+    from mori_jit.ops.ep.backend_hip import _SYNC_REGIONS
+    assert "expert_adds" in _SYNC_REGIONS and "expert_counts" not in _SYNC_REGIONS
+
+
+def test_expert_counts_refuse_more_experts_than_a_block_tallies():
+    from mori_jit.jit.fields import ConfigError
+    from mori_jit.ops.ep.kernel_cfg import EP_MAX_COUNTED_EXPERTS
+
+    EpCfg(worldSize=8, numExpertPerRank=EP_MAX_COUNTED_EXPERTS // 8, expertCounts=True)
+    with pytest.raises(ConfigError, match=f"expertCounts needs numExpertPerRank\\*worldSize <= {EP_MAX_COUNTED_EXPERTS}"):
+        EpCfg(worldSize=8, numExpertPerRank=EP_MAX_COUNTED_EXPERTS // 8 + 1, expertCounts=True)
+    EpCfg(worldSize=8, numExpertPerRank=EP_MAX_COUNTED_EXPERTS)  # (without counts, no limit)
+
+
 #: op configs with each feature on, as the real compilers build them (small shapes: fast builds), and
 #: the EpCfg field that feature sets; 4096 tokens at EP2 take the bulk-copy dispatch on sm_90a
 FEATURE_CFGS = {
     "int64_ids": (dict(index_dtype=torch.int64), "ids64"),
     "scales": (dict(scale_dim=3, scale_type_size=4), "scaleDim"),
+    "expert_counts": (dict(expert_counts=True, index_dtype=torch.int64), "expertCounts"),
+    "counts_bulk": (dict(expert_counts=True, max_num_inp_token_per_rank=4096), "expertCounts"),
     "scales_bulk_fp8": (dict(scale_dim=2, scale_type_size=1, max_num_inp_token_per_rank=4096,
                              dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16), "scaleDim"),
 }
@@ -102,5 +128,5 @@ def test_real_compilers_build_the_moe_kernels(arch, compiler, feature):
         assert spec.entry_name(c).encode() in e.binary.read_bytes()
         built.append(c)
     assert built and all(getattr(c, field) for c in built)
-    if feature.endswith("_bulk_fp8") and arch == "sm_90a":
+    if "_bulk" in feature and arch == "sm_90a":
         assert any(c.bulkMinTokens for c in built)

@@ -45,7 +45,11 @@ HIP_FEATURES = {
     "int64_ids": [dict(index_dtype=torch.int64)],
     "scales": [dict(scale_dim=3, scale_type_size=4, dispatch_data_type=FP8, combine_data_type=torch.bfloat16),
                dict(scale_dim=2, scale_type_size=1, index_dtype=torch.int64)],
+    "expert_counts": [dict(expert_counts=True),
+                      dict(expert_counts=True, index_dtype=torch.int64, scale_dim=2, scale_type_size=4)],
 }
+#: the graph-replay case: every feature above at once (bf16 rows, so the combine takes them as they are)
+HIP_GRAPH_FIELDS = dict(index_dtype=torch.int64, scale_dim=2, scale_type_size=4, expert_counts=True)
 #: payload regions a dispatch writes (poisoned before each call); the sync words are left alone
 _OUTPUT_REGIONS = ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv", "comb_recv",
                    "comb_recv_wts")
@@ -174,3 +178,56 @@ def _hip_features_job(rank, ws, feature):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_hip_moe_feature_matches_torch_and_golden(ws, feature):
     run_ep_job(_hip_features_job, ws, feature)
+
+
+def _hip_graph_job(rank, ws):
+    """dispatch + combine with every feature, captured once and replayed on fresh inputs; the
+    outputs (rows, scales, counts, sums) are poisoned before each replay."""
+    from test_ep_moe_cpu import _scales
+
+    from mori_jit.ops.ep import EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.ops.ep.golden_moe import golden_check_experts
+
+    gen = torch.Generator().manual_seed(808 + rank)
+    dev = _hip_dev()
+    with EpDispatchCombineOp(_hip_cfg(rank, ws, "hip", HIP_GRAPH_FIELDS)) as op:
+        cfg = op.cfg
+
+        def inputs():
+            x, w, idx = make_inputs(rank, HIP_M, HIP_H, HIP_K, cfg.num_experts, cfg.input_dtype, dev, gen,
+                                    drop_frac=0.2, index_dtype=cfg.index_dtype)
+            return x, w, _scales(cfg, HIP_M, gen, dev), idx
+
+        static = inputs()
+
+        def step():
+            res = op.dispatch(*static, return_result=True)
+            y, y_w = op.combine(res.out, weights=res.out_weights, routing=res.routing)
+            return res, y, y_w
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # warm-up outside capture (everything is compiled already)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res, y, y_w = step()
+        for _ in range(6):
+            torch.distributed.barrier()  # peers must be done checking before the next dispatch
+            for dst, src in zip(static, inputs()):
+                dst.copy_(src)
+            _poison_regions(op, _OUTPUT_REGIONS + ("out_scales", "expert_counts"))
+            y.fill_(float("nan")), y_w.fill_(float("nan"))
+            graph.replay()
+            x, w, sc, idx = static
+            golden_check(op.group, rank, ws, HIP_M, HIP_EPR, x, w, idx, res.out, res.out_weights, res.out_indices,
+                         res.total_recv, res.routing.recv_src, y, y_w, scales=sc, out_scales=res.out_scales)
+            golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, x, w, idx, res.expert_counts, None, scales=sc)
+        op.check()
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_hip_moe_features_in_a_graph_replay(ws):
+    run_ep_job(_hip_graph_job, ws)

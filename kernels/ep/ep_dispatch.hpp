@@ -40,6 +40,25 @@ MORI_DEVICE int LoadExpertId(const EpArgs& args, int i) {
   }
 }
 
+// expertCounts: this block's valid slots per expert (all ranks' experts), in shared memory; zeroed at
+// the kernel's start, added to by the claim, flushed to the destinations' counters by FlushExpertTally.
+template <EpCfg kCfg>
+MORI_DEVICE int* ExpertTally() {
+  __shared__ int tally[EpNumExperts(kCfg)];
+  return tally;
+}
+
+// The block's tally added to each expert's rank's parity counter (expert_adds), one system-scope
+// atomic per expert the block's slots named. Before the block's done count (its fence orders them).
+template <EpCfg kCfg>
+MORI_DEVICE void FlushExpertTally(const EpArgs& args, int parity) {
+  constexpr int kE = kCfg.numExpertPerRank;
+  __syncthreads();
+  int* tally = ExpertTally<kCfg>();
+  for (int e = threadIdx.x; e < EpNumExperts(kCfg); e += blockDim.x)
+    if (tally[e] > 0) plat::atomic_add_system(At<int>(args, e / kE, args.off_expert_adds) + parity * kE + e % kE, tally[e]);
+}
+
 // Phase 1 of dispatch: claim a receive slot on every destination of the round's tokens (owned
 // indices r0 .. r0 + num) and record pe*maxRecv + slot in the forward map (tok_off, for combine) and
 // in the round's shared routing. A pass covers kW / kK tokens per wave; the block sums its waves'
@@ -97,6 +116,8 @@ MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, Dis
       round.flat[li * kK + j] = flat;
       round.expert[li * kK + j] = expert;
       round.weight[li * kK + j] = weight;
+      if constexpr (kCfg.expertCounts)
+        if (pe >= 0) plat::atomic_add_shared(ExpertTally<kCfg>() + expert, 1);  // every valid slot, duplicates too
     }
   }
   __syncthreads();  // the round's routing is visible to all the block's waves
@@ -239,6 +260,8 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     const int pe = threadIdx.x - (blockDim.x - kWs);
     WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + pe, CombEpoch(args) * kDoneUnit, kWaitCombineDone, pe);
   }
+  if constexpr (kCfg.expertCounts)  // (the claim's first barrier orders this before any add)
+    for (int e = threadIdx.x; e < EpNumExperts(kCfg); e += blockDim.x) ExpertTally<kCfg>()[e] = 0;
   __shared__ DispatchRound<kCfg> round;
   const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
   // (`if constexpr` around its calls: a wave-only binary never instantiates a zero-stage BulkRows)
@@ -291,6 +314,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
 
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
   if (bulkBlock && threadIdx.x == 0) plat::bulk_wait_stores();  // before the fence that publishes the rows
+  if constexpr (kCfg.expertCounts) FlushExpertTally<kCfg>(args, parity);
   // Every block tells every rank (this one too) that its rows are there: once the block's stores
   // are visible system-wide, one relaxed add per rank (block 0 first publishes this rank's token
   // count), its share of kDoneUnit (BlockShare). No block waits for another before its news leaves.
@@ -310,6 +334,15 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target * kDoneUnit, kWaitDispatchDone,
                 threadIdx.x);
   __syncthreads();
+  if constexpr (kCfg.expertCounts) {  // every rank's adds for this epoch are in: publish, reset (as recv_num)
+    constexpr int kE = kCfg.numExpertPerRank;
+    int* adds = At<int>(args, rank, args.off_expert_adds) + parity * kE;
+    int* counts = At<int>(args, rank, args.off_expert_counts);
+    for (int e = threadIdx.x; e < kE; e += blockDim.x) {
+      counts[e] = plat::load_volatile(adds + e);
+      adds[e] = 0;
+    }
+  }
   if (threadIdx.x == 0) {
     StampAt(args, kStDispPeersDone);
     int* recvNum = At<int>(args, rank, args.off_recv_num);

@@ -40,6 +40,7 @@ struct EpCfg {
   bool ids64 = false;
   int scaleDim = 0;
   int scaleTypeSize = 0;
+  bool expertCounts = false;
 };
 
 // bytes per payload element
@@ -61,7 +62,7 @@ constexpr int EpBulkSmemBytes(const EpCfg& c) { return (EpBulkStages(c) * EpToke
 // the dtype can be reduced (combine leg)
 constexpr bool EpSummable(const EpCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the kernels can be built and are correct for this config
-constexpr bool EpIsValid(const EpCfg& c) { return (((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (((c.scaleDim == 0) && (c.scaleTypeSize == 0)) || ((c.scaleDim >= 1) && ((((c.scaleTypeSize == 1) || (c.scaleTypeSize == 2)) || (c.scaleTypeSize == 4)) || (c.scaleTypeSize == 8))))) && (EpBulkSmemBytes(c) <= 196608)); }
+constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (((c.scaleDim == 0) && (c.scaleTypeSize == 0)) || ((c.scaleDim >= 1) && ((((c.scaleTypeSize == 1) || (c.scaleTypeSize == 2)) || (c.scaleTypeSize == 4)) || (c.scaleTypeSize == 8))))) && ((!c.expertCounts) || (EpNumExperts(c) <= 2048))) && (EpBulkSmemBytes(c) <= 196608)); }
 
 struct EpArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]
@@ -90,6 +91,8 @@ struct EpArgs {
   uint64_t off_sync;  // local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim
   uint64_t off_stamps;  // phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)
   uint64_t off_out_scales;  // received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales
+  uint64_t off_expert_adds;  // received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts
+  uint64_t off_expert_counts;  // the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts
   const void* inpScales;  // dispatch: per-token scales [n, scaleDim] of scaleTypeSize bytes, or null
 };
 static_assert(offsetof(EpArgs, inpTok) == 0, "EpArgs.inpTok moved");
@@ -118,8 +121,10 @@ static_assert(offsetof(EpArgs, off_xdb) == 224, "EpArgs.off_xdb moved");
 static_assert(offsetof(EpArgs, off_sync) == 232, "EpArgs.off_sync moved");
 static_assert(offsetof(EpArgs, off_stamps) == 240, "EpArgs.off_stamps moved");
 static_assert(offsetof(EpArgs, off_out_scales) == 248, "EpArgs.off_out_scales moved");
-static_assert(offsetof(EpArgs, inpScales) == 256, "EpArgs.inpScales moved");
-static_assert(sizeof(EpArgs) == 264, "EpArgs size changed");
+static_assert(offsetof(EpArgs, off_expert_adds) == 256, "EpArgs.off_expert_adds moved");
+static_assert(offsetof(EpArgs, off_expert_counts) == 264, "EpArgs.off_expert_counts moved");
+static_assert(offsetof(EpArgs, inpScales) == 272, "EpArgs.inpScales moved");
+static_assert(sizeof(EpArgs) == 280, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

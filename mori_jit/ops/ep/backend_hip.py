@@ -34,7 +34,7 @@ WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispa
                  WaitId.kWaitCombineRows: "combine (low latency): waiting for a peer's row of a token (its words "
                                           "never arrived)"}
 # Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots and weights).
-_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync")
+_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync", "expert_adds")
 # Low latency: regions whose every 32-bit word starts as CombWord.kEmptyWord (filled with this byte),
 # and the weights, which carry an epoch.
 _EMPTY_REGIONS, _EPOCH_REGIONS = ("comb_recv",), ("comb_recv_wts",)
@@ -195,6 +195,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         recv_src = arena.view("recv_to_src", torch.int32, (cap,))
         total_recv = arena.view("total_recv", torch.int32, (1,))
         scale_views = ScaleViews(arena, cap, cfg.scale_dim)
+        # the MoE outputs (EpDispatchResult's last two): the local expert counts, no expert-major layout
+        moe = (arena.view("expert_counts", torch.int32, (cfg.num_experts_per_rank,)), None) if cfg.expert_counts else None
         inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
 
         given = arena.tensor.data_ptr()  # (see _weights_ptr)
@@ -207,7 +209,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             dargs.inpScales = scales.data_ptr() if scales is not None else 0
             disp_launch[v]()
             return (out, out_w if weights is not None else None, scale_views.of(scales), out_idx, total_recv,
-                    HipRouting(x.shape[0], recv_src, total_recv))
+                    HipRouting(x.shape[0], recv_src, total_recv), moe)
 
         # from the default allocator (never from inp, which may lie in the symmetric arena)
         new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, dev)

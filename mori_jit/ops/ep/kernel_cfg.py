@@ -20,7 +20,7 @@ from .contract import ROW_ALIGN
 from .tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
-           "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "make_ep_cfg", "region_bytes",
+           "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "EP_MAX_COUNTED_EXPERTS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
            "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE"]
 
@@ -34,6 +34,9 @@ EP_MAX_BLOCK_THREADS = 1024
 #: Most dynamic shared memory for a dispatch block's bulk-copy stages: sm_90's 227 KiB per block
 #: less the static routing arrays (DispatchRound, at most 24 KiB) and the claim's words.
 EP_MAX_BULK_SMEM = 192 * 1024
+#: Most experts in all (numExpertPerRank * worldSize) a dispatch with expertCounts tallies in one
+#: block's shared memory (8 KiB).
+EP_MAX_COUNTED_EXPERTS = 2048
 DISPATCH, COMBINE = "dispatch", "combine"
 
 
@@ -188,6 +191,10 @@ class EpCfg:
     # elements of scaleTypeSize bytes (1, 2, 4 or 8); 0 and 0: none
     scaleDim: int = 0
     scaleTypeSize: int = 0
+    # dispatch: count the received (token, local expert) pairs into expert_counts (one per valid
+    # top-k slot): each block tallies its slots per expert in shared memory and adds them to the
+    # destinations' parity counters (expert_adds), which block 0 publishes and resets at the end
+    expertCounts: bool = False
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -241,6 +248,9 @@ _RULES: list[tuple[Any, str]] = [
     ((C.scaleDim.eq(0) & C.scaleTypeSize.eq(0)) | ((C.scaleDim >= 1) & (C.scaleTypeSize.eq(1) | C.scaleTypeSize.eq(2)
                                                                        | C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(8))),
      "scaleDim and scaleTypeSize must be both 0 (no scales) or scaleDim >= 1 with scaleTypeSize 1, 2, 4 or 8"),
+    (~C.expertCounts | (EpNumExperts <= EP_MAX_COUNTED_EXPERTS),
+     f"expertCounts needs numExpertPerRank*worldSize <= {EP_MAX_COUNTED_EXPERTS} (a block tallies every expert in "
+     f"shared memory)"),
     (EpBulkSmemBytes <= EP_MAX_BULK_SMEM, f"bulk-copy stages (EpBulkStages * token bytes) must fit in "
                                           f"{EP_MAX_BULK_SMEM} bytes of shared memory"),
 ]
@@ -280,6 +290,8 @@ EP_REGIONS: dict[str, str] = {
     "sync": "local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim",
     "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
     "out_scales": "received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales",
+    "expert_adds": "received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts",
+    "expert_counts": "the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts",
 }
 
 EP_ARGS = ArgsSchema("EpArgs", [
@@ -317,6 +329,8 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "comb_flags": 0 if low else ws * m * 8,
         "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": EP_SYNC_WORDS * 8, "stamps": EP_STAMP_WORDS * 8,
         "out_scales": recv * disp.scaleDim * disp.scaleTypeSize,
+        "expert_adds": 2 * disp.numExpertPerRank * 4 if disp.expertCounts else 0,
+        "expert_counts": disp.numExpertPerRank * 4 if disp.expertCounts else 0,
     }
 
 

@@ -48,8 +48,6 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     GPUs) (empty = they can); the live op adds the device check, ``mori-jit precompile --ep``
     refuses the same configs."""
     missing = gather_unquantized_gaps(cfg)
-    if cfg.expert_counts:
-        missing.append("expert_counts=True (local expert counts)")
     if cfg.expert_capacity:
         missing.append(f"expert_capacity={cfg.expert_capacity} (the expert-major layout)")
     if cfg.routing_replay:
@@ -64,7 +62,8 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
 def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
     """The dispatch EpCfg fields of ``cfg``'s MoE options. Each is off by default, and a Cfg renders
     only its non-default fields, so an op without them renders, keys and builds as before."""
-    return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size}
+    return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size,
+            "expertCounts": cfg.expert_counts}
 
 
 def _check_num_cus(num_cus) -> None:
