@@ -19,7 +19,7 @@ from mori_jit.ops.ep.variants import ep_variants, hip_gaps, plan_requests
 BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
             num_experts_per_token=4)
 #: every EpCfg field a MoE feature adds, all off by default
-MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize", "expertCounts")
+MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize", "expertCounts", "routingReplay")
 
 
 def _cfg(**fields) -> EpDispatchCombineConfig:
@@ -103,6 +103,19 @@ def test_expert_counts_refuse_more_experts_than_a_block_tallies():
     EpCfg(worldSize=8, numExpertPerRank=EP_MAX_COUNTED_EXPERTS)  # (without counts, no limit)
 
 
+def test_routing_replay_is_a_dispatch_cfg_field_with_a_trailing_flag_argument():
+    from mori_jit.ops.ep.kernel_cfg import EP_ARGS, EP_REGIONS
+
+    plain, replay = _variants(_cfg()), _variants(_cfg(routing_replay=True))
+    assert hip_gaps(_cfg(routing_replay=True), "sm_90a") == []
+    assert all(c.routingReplay for c in replay.dispatch) and replay.combine == plain.combine
+    assert all(spec.entry_name(c).endswith("_rr") for spec, c in replay.requests() if spec.kind == "dispatch")
+    # the MoE arguments trail every argument a plain kernel reads, so their offsets stay
+    names = [f.name for f in EP_ARGS.fields]
+    assert names[-2:] == ["inpScales", "replay"]
+    assert names.index(f"off_{list(EP_REGIONS)[-1]}") == len(names) - 3
+
+
 #: op configs with each feature on, as the real compilers build them (small shapes: fast builds), and
 #: the EpCfg field that feature sets; 4096 tokens at EP2 take the bulk-copy dispatch on sm_90a
 FEATURE_CFGS = {
@@ -110,6 +123,8 @@ FEATURE_CFGS = {
     "scales": (dict(scale_dim=3, scale_type_size=4), "scaleDim"),
     "expert_counts": (dict(expert_counts=True, index_dtype=torch.int64), "expertCounts"),
     "counts_bulk": (dict(expert_counts=True, max_num_inp_token_per_rank=4096), "expertCounts"),
+    "routing_replay": (dict(routing_replay=True, expert_counts=True, scale_dim=2, scale_type_size=4), "routingReplay"),
+    "replay_bulk": (dict(routing_replay=True, max_num_inp_token_per_rank=4096), "routingReplay"),
     "scales_bulk_fp8": (dict(scale_dim=2, scale_type_size=1, max_num_inp_token_per_rank=4096,
                              dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16), "scaleDim"),
 }

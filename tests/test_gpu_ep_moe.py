@@ -47,9 +47,13 @@ HIP_FEATURES = {
                dict(scale_dim=2, scale_type_size=1, index_dtype=torch.int64)],
     "expert_counts": [dict(expert_counts=True),
                       dict(expert_counts=True, index_dtype=torch.int64, scale_dim=2, scale_type_size=4)],
+    "routing_replay": [dict(routing_replay=True),
+                       dict(routing_replay=True, expert_counts=True, index_dtype=torch.int64, scale_dim=3,
+                            scale_type_size=1)],
 }
 #: the graph-replay case: every feature above at once (bf16 rows, so the combine takes them as they are)
-HIP_GRAPH_FIELDS = dict(index_dtype=torch.int64, scale_dim=2, scale_type_size=4, expert_counts=True)
+HIP_GRAPH_FIELDS = dict(index_dtype=torch.int64, scale_dim=2, scale_type_size=4, expert_counts=True,
+                        routing_replay=True)
 #: payload regions a dispatch writes (poisoned before each call); the sync words are left alone
 _OUTPUT_REGIONS = ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv", "comb_recv",
                    "comb_recv_wts")
@@ -154,6 +158,25 @@ def _hip_dev():
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _hip_replay_refusals(op, rank, gen):
+    """Every rank passes the same bad replay, so each raises before launching (no peer waits)."""
+    from test_ep_moe_cpu import _scales
+
+    from mori_jit.ops.ep.golden import make_inputs
+
+    cfg, dev = op.cfg, _hip_dev()
+    x, w, idx = make_inputs(rank, 8, HIP_H, HIP_K, cfg.num_experts, cfg.input_dtype, dev, gen,
+                            index_dtype=cfg.index_dtype)
+    s = _scales(cfg, 8, gen, dev)
+    first = op.dispatch(x, w, s, idx, return_result=True)
+    with pytest.raises(ValueError, match="routing was made for 8"):
+        op.dispatch(x[:7].contiguous(), w[:7].contiguous(), None if s is None else s[:7].contiguous(), None,
+                    routing=first.routing)
+    op.dispatch(x, w, s, idx)  # a new dispatch: the first one's routing is stale now
+    with pytest.raises(ValueError, match="another op's or an earlier dispatch's"):
+        op.dispatch(x, w, s, None, routing=first.routing)
+
+
 def _hip_features_job(rank, ws, feature):
     from mori_jit.ops.ep import EpDispatchCombineOp
 
@@ -171,6 +194,8 @@ def _hip_features_job(rank, ws, feature):
                 except Exception as e:
                     raise AssertionError(f"{feature} {fields} call {i} (rank {rank} of {ws}, {call[0]} tokens): "
                                          f"{e}") from e
+            if op.cfg.routing_replay:
+                _hip_replay_refusals(op, rank, gen)
             op.check()
 
 
@@ -181,8 +206,8 @@ def test_hip_moe_feature_matches_torch_and_golden(ws, feature):
 
 
 def _hip_graph_job(rank, ws):
-    """dispatch + combine with every feature, captured once and replayed on fresh inputs; the
-    outputs (rows, scales, counts, sums) are poisoned before each replay."""
+    """dispatch + routing replay + combine with every feature, captured once and replayed on fresh
+    inputs; the outputs (rows, scales, counts, sums) are poisoned before each graph replay."""
     from test_ep_moe_cpu import _scales
 
     from mori_jit.ops.ep import EpDispatchCombineOp
@@ -199,10 +224,12 @@ def _hip_graph_job(rank, ws):
                                     drop_frac=0.2, index_dtype=cfg.index_dtype)
             return x, w, _scales(cfg, HIP_M, gen, dev), idx
 
-        static = inputs()
+        static, static2 = inputs(), inputs()
 
-        def step():
-            res = op.dispatch(*static, return_result=True)
+        def step():  # a dispatch, a replay of a second payload along it, the combine of the second
+            first = op.dispatch(*static, return_result=True)
+            x2, w2, s2, _ = static2
+            res = op.dispatch(x2, w2, s2, None, routing=first.routing, return_result=True)
             y, y_w = op.combine(res.out, weights=res.out_weights, routing=res.routing)
             return res, y, y_w
 
@@ -218,10 +245,12 @@ def _hip_graph_job(rank, ws):
             torch.distributed.barrier()  # peers must be done checking before the next dispatch
             for dst, src in zip(static, inputs()):
                 dst.copy_(src)
+            for dst, src in zip(static2[:3], inputs()[:3]):  # (the replay's ids are the dispatch's)
+                dst.copy_(src)
             _poison_regions(op, _OUTPUT_REGIONS + ("out_scales", "expert_counts"))
             y.fill_(float("nan")), y_w.fill_(float("nan"))
             graph.replay()
-            x, w, sc, idx = static
+            (x, w, sc, _), idx = static2, static[3]
             golden_check(op.group, rank, ws, HIP_M, HIP_EPR, x, w, idx, res.out, res.out_weights, res.out_indices,
                          res.total_recv, res.routing.recv_src, y, y_w, scales=sc, out_scales=res.out_scales)
             golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, x, w, idx, res.expert_counts, None, scales=sc)

@@ -123,6 +123,21 @@ MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, Dis
   __syncthreads();  // the round's routing is visible to all the block's waves
 }
 
+// A replay's phase 1 (routingReplay, args.replay): the round's routing is the latest dispatch's
+// forward map, and the weights the new ones; nothing is claimed, no id is read.
+template <EpCfg kCfg>
+MORI_DEVICE void LoadRoute(const EpArgs& args, int r0, int num, DispatchRound<kCfg>& round) {
+  constexpr int kK = kCfg.numExpertPerToken;
+  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  const int* tokOff = At<int>(args, args.rank, args.off_tok_off);
+  for (int i = threadIdx.x; i < num * kK; i += blockDim.x) {
+    const int t = OwnedToken<kCfg>(r0 + i / kK), j = i % kK;
+    round.flat[i] = tokOff[t * kK + j];
+    if (withWeights) round.weight[i] = args.inpWeights[t * kK + j];
+  }
+  __syncthreads();  // the round's routing is visible to all the block's waves
+}
+
 // Calls fn(pe, slot) for each destination the claim gave the round's token li, with the whole wave.
 template <EpCfg kCfg, typename Fn>
 MORI_DEVICE void ForEachDest(const DispatchRound<kCfg>& round, int li, Fn&& fn) {
@@ -144,10 +159,12 @@ MORI_DEVICE void StoreTokenMeta(const EpArgs& args, const DispatchRound<kCfg>& r
   constexpr int kK = kCfg.numExpertPerToken;
   const int lane = plat::lane_id();
   if (lane >= kK) return;
-  if constexpr (kCfg.ids64)  // the source's own id, out-of-range values included
-    At<int64_t>(args, pe, args.off_out_idx)[slot * kK + lane] = reinterpret_cast<const int64_t*>(args.inpIndices)[t * kK + lane];
-  else
-    At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
+  if (!(kCfg.routingReplay && args.replay)) {  // (a replay: the ids are there from the dispatch it replays)
+    if constexpr (kCfg.ids64)  // the source's own id, out-of-range values included
+      At<int64_t>(args, pe, args.off_out_idx)[slot * kK + lane] = reinterpret_cast<const int64_t*>(args.inpIndices)[t * kK + lane];
+    else
+      At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
+  }
   if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = round.weight[li * kK + lane];
   if (lane == 0) {
     At<int>(args, pe, args.off_recv_to_src)[slot] = args.rank * kCfg.maxTokPerRank + t;
@@ -279,7 +296,10 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
       loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);  // overlaps the claim
     }
 
-    ClaimSlots<kCfg>(args, parity, r0, num, round);
+    if (kCfg.routingReplay && args.replay)
+      LoadRoute<kCfg>(args, r0, num, round);
+    else
+      ClaimSlots<kCfg>(args, parity, r0, num, round);
     if (r0 == 0 && blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
 
     if (bulkBlock) {
@@ -334,11 +354,13 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target * kDoneUnit, kWaitDispatchDone,
                 threadIdx.x);
   __syncthreads();
+  // (a replay claimed nothing: the dispatch's counts and total_recv stand)
+  const bool replay = kCfg.routingReplay && args.replay;
   if constexpr (kCfg.expertCounts) {  // every rank's adds for this epoch are in: publish, reset (as recv_num)
     constexpr int kE = kCfg.numExpertPerRank;
     int* adds = At<int>(args, rank, args.off_expert_adds) + parity * kE;
     int* counts = At<int>(args, rank, args.off_expert_counts);
-    for (int e = threadIdx.x; e < kE; e += blockDim.x) {
+    for (int e = threadIdx.x; e < kE && !replay; e += blockDim.x) {
       counts[e] = plat::load_volatile(adds + e);
       adds[e] = 0;
     }
@@ -346,7 +368,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   if (threadIdx.x == 0) {
     StampAt(args, kStDispPeersDone);
     int* recvNum = At<int>(args, rank, args.off_recv_num);
-    *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
+    if (!replay) *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
     // A peer next claims on this counter two epochs on: only after it has counted this rank's
     // next dispatch done, which follows this reset.
     recvNum[parity] = 0;

@@ -41,6 +41,7 @@ struct EpCfg {
   int scaleDim = 0;
   int scaleTypeSize = 0;
   bool expertCounts = false;
+  bool routingReplay = false;
 };
 
 // bytes per payload element
@@ -94,6 +95,7 @@ struct EpArgs {
   uint64_t off_expert_adds;  // received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts
   uint64_t off_expert_counts;  // the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts
   const void* inpScales;  // dispatch: per-token scales [n, scaleDim] of scaleTypeSize bytes, or null
+  int32_t replay;  // dispatch (routingReplay): 1 = move the payload along the latest dispatch's routing
 };
 static_assert(offsetof(EpArgs, inpTok) == 0, "EpArgs.inpTok moved");
 static_assert(offsetof(EpArgs, inpWeights) == 8, "EpArgs.inpWeights moved");
@@ -124,7 +126,8 @@ static_assert(offsetof(EpArgs, off_out_scales) == 248, "EpArgs.off_out_scales mo
 static_assert(offsetof(EpArgs, off_expert_adds) == 256, "EpArgs.off_expert_adds moved");
 static_assert(offsetof(EpArgs, off_expert_counts) == 264, "EpArgs.off_expert_counts moved");
 static_assert(offsetof(EpArgs, inpScales) == 272, "EpArgs.inpScales moved");
-static_assert(sizeof(EpArgs) == 280, "EpArgs size changed");
+static_assert(offsetof(EpArgs, replay) == 280, "EpArgs.replay moved");
+static_assert(sizeof(EpArgs) == 288, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

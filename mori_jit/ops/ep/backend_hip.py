@@ -211,6 +211,20 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             return (out, out_w if weights is not None else None, scale_views.of(scales), out_idx, total_recv,
                     HipRouting(x.shape[0], recv_src, total_recv), moe)
 
+        def replay(v, x, weights, scales, routing):
+            # the dispatch's launch with the replay flag: the rows go where routing's dispatch put them
+            dargs.inpTok = x.data_ptr()
+            dargs.inpWeights = _weights_ptr(weights, given)
+            dargs.numTokens = x.shape[0]
+            dargs.inpScales = scales.data_ptr() if scales is not None else 0
+            dargs.replay = 1
+            try:
+                disp_launch[v]()
+            finally:
+                dargs.replay = 0  # (the args struct is the dispatch's too)
+            return (out, out_w if weights is not None else None, scale_views.of(scales), out_idx, total_recv,
+                    routing, moe)
+
         # from the default allocator (never from inp, which may lie in the symmetric arena)
         new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, dev)
 
@@ -259,4 +273,5 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
                          capabilities=frozenset({"graph", "zero_copy_combine", "scales"}),
                          check=check, reset=reset, combine_input_buffer=combine_input_buffer, close=close,
-                         bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)})
+                         bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)},
+                         replay=replay if cfg.routing_replay else None)

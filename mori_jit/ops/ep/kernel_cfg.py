@@ -195,6 +195,9 @@ class EpCfg:
     # top-k slot): each block tallies its slots per expert in shared memory and adds them to the
     # destinations' parity counters (expert_adds), which block 0 publishes and resets at the end
     expertCounts: bool = False
+    # dispatch: a launch with args.replay set moves a new payload along the latest dispatch's forward
+    # map (tok_off) instead of claiming slots: same receive rows, ids, counts and total_recv
+    routingReplay: bool = False
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -308,6 +311,7 @@ EP_ARGS = ArgsSchema("EpArgs", [
     u64("peerBase", EP_MAX_PEERS, "arena base address of every rank, by rank"),
     *[u64(f"off_{name}", doc=doc) for name, doc in EP_REGIONS.items()],
     ptr("inpScales", "const void", "dispatch: per-token scales [n, scaleDim] of scaleTypeSize bytes, or null"),
+    i32("replay", doc="dispatch (routingReplay): 1 = move the payload along the latest dispatch's routing"),
 ])
 
 register_header(GeneratedHeader(

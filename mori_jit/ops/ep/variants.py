@@ -50,8 +50,6 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     missing = gather_unquantized_gaps(cfg)
     if cfg.expert_capacity:
         missing.append(f"expert_capacity={cfg.expert_capacity} (the expert-major layout)")
-    if cfg.routing_replay:
-        missing.append("routing_replay=True (dispatch(routing=...))")
     if cfg.is_internode:
         missing.append(internode_gap(cfg, arch))
     if cfg.world_size > EP_MAX_PEERS:
@@ -63,7 +61,7 @@ def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
     """The dispatch EpCfg fields of ``cfg``'s MoE options. Each is off by default, and a Cfg renders
     only its non-default fields, so an op without them renders, keys and builds as before."""
     return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size,
-            "expertCounts": cfg.expert_counts}
+            "expertCounts": cfg.expert_counts, "routingReplay": cfg.routing_replay}
 
 
 def _check_num_cus(num_cus) -> None:
