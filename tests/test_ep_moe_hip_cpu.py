@@ -19,7 +19,7 @@ from mori_jit.ops.ep.variants import ep_variants, hip_gaps, plan_requests
 BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
             num_experts_per_token=4)
 #: every EpCfg field a MoE feature adds, all off by default
-MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize", "expertCounts", "routingReplay")
+MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize", "expertCounts", "routingReplay", "quantFp8Block128")
 
 
 def _cfg(**fields) -> EpDispatchCombineConfig:
@@ -116,6 +116,38 @@ def test_routing_replay_is_a_dispatch_cfg_field_with_a_trailing_flag_argument():
     assert names.index(f"off_{list(EP_REGIONS)[-1]}") == len(names) - 3
 
 
+FP8 = torch.float8_e4m3fn
+QUANT = dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16, scale_dim=2)
+
+
+@pytest.mark.parametrize("size", [4, 1])
+def test_in_kernel_fp8_cast_is_a_dispatch_cfg_field_never_on_the_bulk_path(size):
+    assert hip_gaps(_cfg(**QUANT, scale_type_size=size), "sm_90a") == []
+    plain = _variants(_cfg(dispatch_data_type=FP8, combine_data_type=torch.bfloat16, max_num_inp_token_per_rank=4096))
+    quant = _variants(_cfg(**QUANT, scale_type_size=size, max_num_inp_token_per_rank=4096))
+    assert any(c.bulkMinTokens for c in plain.dispatch)  # (this shape takes the bulk path unquantized)
+    assert all(c.quantFp8Block128 and not c.bulkMinTokens and (c.scaleDim, c.scaleTypeSize) == (2, size)
+               for c in quant.dispatch)
+    assert quant.combine == plain.combine
+    cap = 2 * 4096
+    assert region_bytes(quant.dispatch[0], quant.combine[0])["out_scales"] == cap * 2 * size
+    assert all(spec.entry_name(c).endswith("_q128") for spec, c in quant.requests() if spec.kind == "dispatch")
+
+
+@pytest.mark.parametrize("fields", [dict(dtype=torch.bfloat16), dict(scaleDim=3), dict(scaleTypeSize=2),
+                                    dict(hiddenDim=192, scaleDim=1), dict(bulkMinTokens=8)])
+def test_an_ep_cfg_refuses_an_inconsistent_fp8_cast(fields):
+    from mori_jit.jit.fields import ConfigError
+    from mori_jit.ops.ep.kernel_cfg import EpDType
+
+    good = dict(hiddenDim=256, dtype=EpDType.Fp8, scaleDim=2, scaleTypeSize=4, quantFp8Block128=True)
+    EpCfg(**good)
+    if "dtype" in fields:
+        fields = {"dtype": EpDType.Bf16}
+    with pytest.raises(ConfigError, match="quantFp8Block128 needs dtype Fp8"):
+        EpCfg(**{**good, **fields})
+
+
 #: op configs with each feature on, as the real compilers build them (small shapes: fast builds), and
 #: the EpCfg field that feature sets; 4096 tokens at EP2 take the bulk-copy dispatch on sm_90a
 FEATURE_CFGS = {
@@ -125,6 +157,9 @@ FEATURE_CFGS = {
     "counts_bulk": (dict(expert_counts=True, max_num_inp_token_per_rank=4096), "expertCounts"),
     "routing_replay": (dict(routing_replay=True, expert_counts=True, scale_dim=2, scale_type_size=4), "routingReplay"),
     "replay_bulk": (dict(routing_replay=True, max_num_inp_token_per_rank=4096), "routingReplay"),
+    "fp8_cast_f32": (dict(QUANT, scale_type_size=4, expert_counts=True), "quantFp8Block128"),
+    "fp8_cast_ue8m0_replay": (dict(QUANT, scale_type_size=1, routing_replay=True, index_dtype=torch.int64),
+                              "quantFp8Block128"),
     "scales_bulk_fp8": (dict(scale_dim=2, scale_type_size=1, max_num_inp_token_per_rank=4096,
                              dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16), "scaleDim"),
 }

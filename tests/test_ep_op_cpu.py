@@ -104,10 +104,11 @@ def _gate_job(rank, ws):
     with pytest.raises(EpUnsupportedError) as e:
         EpDispatchCombineOp(cfg)
     msg = str(e.value)
-    for what in ("combine_mode='scatter'", "quant_type='fp8_e4m3_block128'", "per-token scales",
-                 "index_dtype=torch.int64", "expert_counts=True", "expert_capacity=16 (the expert-major layout)",
-                 "routing_replay=True"):
+    for what in ("combine_mode='scatter'", "expert_capacity=16 (the expert-major layout)"):
         assert what in msg, msg
+    # what the hip kernels do is not listed
+    for done in ("quant_type", "per-token scales", "index_dtype", "expert_counts=True", "routing_replay"):
+        assert done not in msg, msg
     # the torch backend serves every MoE feature of that config: only the scatter combine is missing
     with pytest.raises(EpUnsupportedError) as e:
         EpDispatchCombineOp(dataclasses.replace(cfg, kernel_backend="torch"))

@@ -50,6 +50,11 @@ HIP_FEATURES = {
     "routing_replay": [dict(routing_replay=True),
                        dict(routing_replay=True, expert_counts=True, index_dtype=torch.int64, scale_dim=3,
                             scale_type_size=1)],
+    # bf16 input cast in the kernel, compared byte for byte with quant.py (the torch backend)
+    "fp8_cast": [dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
+                      scale_dim=HIP_H // 128, scale_type_size=4, expert_counts=True),
+                 dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
+                      scale_dim=HIP_H // 128, scale_type_size=1, routing_replay=True, index_dtype=torch.int64)],
 }
 #: the graph-replay case: every feature above at once (bf16 rows, so the combine takes them as they are)
 HIP_GRAPH_FIELDS = dict(index_dtype=torch.int64, scale_dim=2, scale_type_size=4, expert_counts=True,

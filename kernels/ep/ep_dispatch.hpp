@@ -1,6 +1,7 @@
 // EP dispatch kernel body (see ep_intranode.hpp for the protocol).
 #pragma once
 #include "ep/ep_common.hpp"
+#include "ep/ep_quant.hpp"
 
 namespace mori::ep {
 
@@ -182,7 +183,7 @@ template <> struct ScaleWordOf<8> { using type = uint64_t; };
 // Token t's per-token scales to (pe, slot), by the wave (nothing without scales).
 template <EpCfg kCfg>
 MORI_DEVICE void StoreTokenScales(const EpArgs& args, int t, int pe, int slot) {
-  if constexpr (kCfg.scaleDim > 0) {
+  if constexpr (kCfg.scaleDim > 0 && !kCfg.quantFp8Block128) {  // (quantized: the copy stores its own)
     using S = typename ScaleWordOf<kCfg.scaleTypeSize>::type;
     const S* src = static_cast<const S*>(args.inpScales) + size_t(t) * kCfg.scaleDim;
     S* dst = At<S>(args, pe, args.off_out_scales) + size_t(slot) * kCfg.scaleDim;
@@ -270,6 +271,23 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
   };
+  // quantFp8Block128: a chunk of a bf16 input row (twice the output's bytes) becomes its fp8
+  // vectors and, per block, the scale word (kept by the block's lanes; every lane calls it).
+  [[maybe_unused]] auto loadQuantChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll], uint32_t (&scale)[kUnroll]) {
+    const int v0 = chunk * kChunkVecs + lane;
+    const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
+                                                          size_t(t) * EpTokenBytes(kCfg) * 2);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      vec16_t lo{}, hi{};
+      if (v0 + u * kW < kVecs) {
+        lo = plat::load_stream(src + 2 * (v0 + u * kW));
+        hi = plat::load_stream(src + 2 * (v0 + u * kW) + 1);
+      }
+      const float sf = BlockScale<kCfg.scaleTypeSize>(BlockMax(AbsMax16(lo, hi)), scale[u]);
+      buf[u] = QuantizeVec(lo, hi, 1.0f / sf);
+    }
+  };
   // Before the first store into a peer's arena: the peer has finished its last combine, which may
   // still read rows there. Threads of the last wave wait (normally one load) while the first ones
   // claim; the claim's closing barrier orders the wait before every copy.
@@ -289,11 +307,15 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     // Work items of the round: the chunks of its tokens, over the block's waves.
     const int num = owned - r0 < DispatchRound<kCfg>::kTok ? owned - r0 : DispatchRound<kCfg>::kTok, numItems = num * kChunks;
     vec16_t buf[kUnroll];
+    [[maybe_unused]] uint32_t scale[kUnroll];  // (quantFp8Block128: each vector's block scale word)
     if (bulkBlock) {
       if constexpr (kCfg.bulkMinTokens > 0)
         if (threadIdx.x == 0) bulk.Prefetch(args, r0, num);
-    } else if (wave < numItems) {
-      loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);  // overlaps the claim
+    } else if (wave < numItems) {  // overlaps the claim
+      if constexpr (kCfg.quantFp8Block128)
+        loadQuantChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf, scale);
+      else
+        loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);
     }
 
     if (kCfg.routingReplay && args.replay)
@@ -318,12 +340,24 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
       const int li = item / kChunks, t = OwnedToken<kCfg>(r0 + li), chunk = item % kChunks;
       const int v0 = chunk * kChunkVecs + lane;
-      if (item != wave) loadChunk(t, chunk, buf);
+      if (item != wave) {
+        if constexpr (kCfg.quantFp8Block128)
+          loadQuantChunk(t, chunk, buf, scale);
+        else
+          loadChunk(t, chunk, buf);
+      }
       ForEachDest<kCfg>(round, li, [&](int pe, int slot) {
         vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
           if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+        if constexpr (kCfg.quantFp8Block128) {  // a block's first lane stores its scale
+          using S = typename ScaleWordOf<kCfg.scaleTypeSize>::type;
+          S* dstScale = At<S>(args, pe, args.off_out_scales) + size_t(slot) * kCfg.scaleDim;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (v0 + u * kW < kVecs && (v0 + u * kW) % kQuantLanes == 0) dstScale[(v0 + u * kW) / kQuantLanes] = S(scale[u]);
+        }
         if (chunk == 0) {  // with the first chunk
           StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
           StoreTokenScales<kCfg>(args, t, pe, slot);

@@ -42,6 +42,7 @@ struct EpCfg {
   int scaleTypeSize = 0;
   bool expertCounts = false;
   bool routingReplay = false;
+  bool quantFp8Block128 = false;
 };
 
 // bytes per payload element
@@ -63,7 +64,7 @@ constexpr int EpBulkSmemBytes(const EpCfg& c) { return (EpBulkStages(c) * EpToke
 // the dtype can be reduced (combine leg)
 constexpr bool EpSummable(const EpCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the kernels can be built and are correct for this config
-constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (((c.scaleDim == 0) && (c.scaleTypeSize == 0)) || ((c.scaleDim >= 1) && ((((c.scaleTypeSize == 1) || (c.scaleTypeSize == 2)) || (c.scaleTypeSize == 4)) || (c.scaleTypeSize == 8))))) && ((!c.expertCounts) || (EpNumExperts(c) <= 2048))) && (EpBulkSmemBytes(c) <= 196608)); }
+constexpr bool EpIsValid(const EpCfg& c) { return (((((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (((c.scaleDim == 0) && (c.scaleTypeSize == 0)) || ((c.scaleDim >= 1) && ((((c.scaleTypeSize == 1) || (c.scaleTypeSize == 2)) || (c.scaleTypeSize == 4)) || (c.scaleTypeSize == 8))))) && ((!c.quantFp8Block128) || (((((c.dtype == EpDType::Fp8) && ((c.hiddenDim % 128) == 0)) && (c.scaleDim == (c.hiddenDim / 128))) && ((c.scaleTypeSize == 4) || (c.scaleTypeSize == 1))) && (c.bulkMinTokens == 0)))) && ((!c.expertCounts) || (EpNumExperts(c) <= 2048))) && (EpBulkSmemBytes(c) <= 196608)); }
 
 struct EpArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]

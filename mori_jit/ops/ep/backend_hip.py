@@ -23,6 +23,7 @@ from .kernel_cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, CombWord, EpMax
                   WaitId, region_bytes)
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
+from .quant import ue8m0_dtype
 from .variants import ep_variants, hip_gaps
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "ScaleViews", "WAIT_MESSAGES", "decode_error"]
@@ -125,16 +126,18 @@ class CombineOutputs:
 
 class ScaleViews:
     """The ``out_scales`` region as ``[cap, scale_dim]`` in the dtype of the scales a dispatch passed
-    (float32, UE8M0 bytes, ...: the kernels move bytes), one view per dtype, made once."""
+    (float32, UE8M0 bytes, ...: the kernels move bytes), one view per dtype, made once. Under in-op
+    quantization the kernels make the scales: ``made`` is their dtype."""
 
-    def __init__(self, arena: SymmArena, cap: int, scale_dim: int):
+    def __init__(self, arena: SymmArena, cap: int, scale_dim: int, made: Optional[torch.dtype] = None):
         self._arena, self._shape = arena, (cap, scale_dim)
         self._views: dict[torch.dtype, torch.Tensor] = {}
+        self._made = None if made is None else arena.view("out_scales", made, self._shape)
 
     def of(self, scales: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The view in ``scales``' dtype (None: no scales)."""
+        """The view in ``scales``' dtype (None: the kernels' own scales, or no scales)."""
         if scales is None:
-            return None
+            return self._made
         view = self._views.get(scales.dtype)
         if view is None:
             view = self._views[scales.dtype] = self._arena.view("out_scales", scales.dtype, self._shape)
@@ -194,7 +197,10 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         out_idx = arena.view("out_idx", cfg.index_dtype, (cap, k))
         recv_src = arena.view("recv_to_src", torch.int32, (cap,))
         total_recv = arena.view("total_recv", torch.int32, (1,))
-        scale_views = ScaleViews(arena, cap, cfg.scale_dim)
+        made = None  # the dtype of the scales the kernels make (in-op quantization)
+        if cfg.quant_type not in (None, "none"):
+            made = torch.float32 if cfg.scale_type_size == 4 else ue8m0_dtype()
+        scale_views = ScaleViews(arena, cap, cfg.scale_dim, made)
         # the MoE outputs (EpDispatchResult's last two): the local expert counts, no expert-major layout
         moe = (arena.view("expert_counts", torch.int32, (cfg.num_experts_per_rank,)), None) if cfg.expert_counts else None
         inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)

@@ -198,6 +198,9 @@ class EpCfg:
     # dispatch: a launch with args.replay set moves a new payload along the latest dispatch's forward
     # map (tok_off) instead of claiming slots: same receive rows, ids, counts and total_recv
     routingReplay: bool = False
+    # dispatch: the input is bf16 and each 128-element block is cast to e4m3 (dtype Fp8) with its
+    # scale (scaleTypeSize 4: float32, 1: UE8M0) on the way, as quant.py does, bit for bit
+    quantFp8Block128: bool = False
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -251,6 +254,10 @@ _RULES: list[tuple[Any, str]] = [
     ((C.scaleDim.eq(0) & C.scaleTypeSize.eq(0)) | ((C.scaleDim >= 1) & (C.scaleTypeSize.eq(1) | C.scaleTypeSize.eq(2)
                                                                        | C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(8))),
      "scaleDim and scaleTypeSize must be both 0 (no scales) or scaleDim >= 1 with scaleTypeSize 1, 2, 4 or 8"),
+    (~C.quantFp8Block128 | (C.dtype.eq(EpDType.Fp8) & (C.hiddenDim % 128).eq(0) & C.scaleDim.eq(C.hiddenDim / 128)
+                             & (C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(1)) & C.bulkMinTokens.eq(0)),
+     "quantFp8Block128 needs dtype Fp8, hiddenDim a multiple of 128, scaleDim = hiddenDim / 128, scaleTypeSize 4 "
+     "or 1, and bulkMinTokens 0 (the rows are cast in registers)"),
     (~C.expertCounts | (EpNumExperts <= EP_MAX_COUNTED_EXPERTS),
      f"expertCounts needs numExpertPerRank*worldSize <= {EP_MAX_COUNTED_EXPERTS} (a block tallies every expert in "
      f"shared memory)"),

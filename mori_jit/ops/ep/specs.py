@@ -35,12 +35,12 @@ class EpSpec(Spec):
     def entry_name(self, cfg: EpCfg) -> str:
         # (_ll: the low-latency combine; _bulk: a dispatch whose large blocks use the bulk-copy unit;
         # _i64: int64 expert ids; _s<dim>x<bytes>: per-token scales;
-        # _cnt: local expert counts; _rr: routing replay)
+        # _cnt: local expert counts; _rr: routing replay; _q128: in-kernel fp8 block cast)
         return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
                 f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatency else ''}"
                 f"{'_bulk' if cfg.bulkMinTokens else ''}{'_i64' if cfg.ids64 else ''}"
                 f"{f'_s{cfg.scaleDim}x{cfg.scaleTypeSize}' if cfg.scaleDim else ''}{'_cnt' if cfg.expertCounts else ''}"
-                f"{'_rr' if cfg.routingReplay else ''}")
+                f"{'_rr' if cfg.routingReplay else ''}{'_q128' if cfg.quantFp8Block128 else ''}")
 
     def geometry(self, cfg: EpCfg) -> Geometry:
         return Geometry((cfg.blockNum, 1, 1), (EpBlockThreads(cfg), 1, 1), EpBulkSmemBytes(cfg))

@@ -61,7 +61,8 @@ def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
     """The dispatch EpCfg fields of ``cfg``'s MoE options. Each is off by default, and a Cfg renders
     only its non-default fields, so an op without them renders, keys and builds as before."""
     return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size,
-            "expertCounts": cfg.expert_counts, "routingReplay": cfg.routing_replay}
+            "expertCounts": cfg.expert_counts, "routingReplay": cfg.routing_replay,
+            "quantFp8Block128": cfg.quant_type == "fp8_e4m3_block128"}
 
 
 def _check_num_cus(num_cus) -> None:
