@@ -19,7 +19,8 @@ from mori_jit.ops.ep.variants import ep_variants, hip_gaps, plan_requests
 BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
             num_experts_per_token=4)
 #: every EpCfg field a MoE feature adds, all off by default
-MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize", "expertCounts", "routingReplay", "quantFp8Block128")
+MOE_FIELDS = ("ids64", "scaleDim", "scaleTypeSize", "expertCounts", "routingReplay", "quantFp8Block128",
+              "expertCapacity")
 
 
 def _cfg(**fields) -> EpDispatchCombineConfig:
@@ -148,6 +149,36 @@ def test_an_ep_cfg_refuses_an_inconsistent_fp8_cast(fields):
         EpCfg(**{**good, **fields})
 
 
+def test_the_expert_major_layout_adds_a_layout_kernel_per_dispatch_variant():
+    from mori_jit.ops.ep.specs import EP_LAYOUT
+
+    cfg = _cfg(expert_counts=True, expert_capacity=24, scale_dim=2, scale_type_size=4)
+    assert hip_gaps(cfg, "sm_90a") == []
+    plain, laid = _variants(_cfg(expert_counts=True)), _variants(cfg)
+    assert all(c.expertCapacity == 24 for c in laid.dispatch) and laid.combine == plain.combine
+    layouts = [c for spec, c in laid.requests() if spec is EP_LAYOUT]
+    assert layouts == list(dict.fromkeys(laid.dispatch))  # one per dispatch variant, on its EpCfg
+    assert not any(spec is EP_LAYOUT for spec, _ in plain.requests())
+    assert EP_LAYOUT.precompile_cfgs(make_toolchain("sm_90a")) == []  # only an op's config has one
+    assert EP_LAYOUT.geometry(layouts[0]).shared_bytes == 0
+    E, H, entries = BASE["num_experts_per_rank"], BASE["hidden_dim"], BASE["num_experts_per_rank"] * 24
+    got = region_bytes(laid.dispatch[0], laid.combine[0])
+    assert (got["exp_cursor"], got["exp_x"], got["exp_scales"], got["exp_wts"], got["exp_maps"]) == (
+        E * 4, entries * H * 2, entries * 2 * 4, entries * 4, 3 * entries * 4)
+    none = region_bytes(plain.dispatch[0], plain.combine[0])
+    assert not any(none[k] for k in ("exp_cursor", "exp_x", "exp_scales", "exp_wts", "exp_maps"))
+    assert all(spec.entry_name(c).endswith("_c24") for spec, c in laid.requests() if spec.kind != "combine")
+
+
+def test_an_ep_cfg_refuses_a_layout_without_counts():
+    from mori_jit.jit.fields import ConfigError
+
+    with pytest.raises(ConfigError, match="expertCapacity must be 0 .* or >= 1 with expertCounts"):
+        EpCfg(expertCapacity=8)
+    with pytest.raises(ConfigError, match="expertCapacity must be 0"):
+        EpCfg(expertCapacity=-1, expertCounts=True)
+
+
 #: op configs with each feature on, as the real compilers build them (small shapes: fast builds), and
 #: the EpCfg field that feature sets; 4096 tokens at EP2 take the bulk-copy dispatch on sm_90a
 FEATURE_CFGS = {
@@ -160,6 +191,9 @@ FEATURE_CFGS = {
     "fp8_cast_f32": (dict(QUANT, scale_type_size=4, expert_counts=True), "quantFp8Block128"),
     "fp8_cast_ue8m0_replay": (dict(QUANT, scale_type_size=1, routing_replay=True, index_dtype=torch.int64),
                               "quantFp8Block128"),
+    "layout": (dict(expert_counts=True, expert_capacity=40, scale_dim=3, scale_type_size=1, index_dtype=torch.int64,
+                    routing_replay=True), "expertCapacity"),
+    "layout_fp8_cast": (dict(QUANT, scale_type_size=4, expert_counts=True, expert_capacity=16), "expertCapacity"),
     "scales_bulk_fp8": (dict(scale_dim=2, scale_type_size=1, max_num_inp_token_per_rank=4096,
                              dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16), "scaleDim"),
 }
@@ -171,12 +205,15 @@ def test_real_compilers_build_the_moe_kernels(arch, compiler, feature):
     tc = toolchain_or_skip(arch)
     fields, field = FEATURE_CFGS[feature]
     built = []
+    kinds = set()
     for spec, c in plan_requests(_cfg(**fields), arch, 104):
-        if spec.kind != "dispatch":
+        if spec.kind == "combine":
             continue
         e = build(spec, c, tc)
         assert spec.entry_name(c).encode() in e.binary.read_bytes()
         built.append(c)
+        kinds.add(spec.kind)
     assert built and all(getattr(c, field) for c in built)
+    assert kinds == ({"dispatch", "layout"} if field == "expertCapacity" else {"dispatch"})
     if "_bulk" in feature and arch == "sm_90a":
         assert any(c.bulkMinTokens for c in built)

@@ -55,18 +55,25 @@ HIP_FEATURES = {
                       scale_dim=HIP_H // 128, scale_type_size=4, expert_counts=True),
                  dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
                       scale_dim=HIP_H // 128, scale_type_size=1, routing_replay=True, index_dtype=torch.int64)],
+    # the expert-major layout (and, with replay, refilled along the same entries); a capacity overflow
+    "expert_layout": [dict(expert_counts=True, expert_capacity=-1, scale_dim=2, scale_type_size=4, routing_replay=True),
+                      dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
+                           scale_dim=HIP_H // 128, scale_type_size=1, expert_counts=True, expert_capacity=-1,
+                           index_dtype=torch.int64)],
 }
 #: the graph-replay case: every feature above at once (bf16 rows, so the combine takes them as they are)
 HIP_GRAPH_FIELDS = dict(index_dtype=torch.int64, scale_dim=2, scale_type_size=4, expert_counts=True,
-                        routing_replay=True)
+                        routing_replay=True, expert_capacity=-1)
 #: payload regions a dispatch writes (poisoned before each call); the sync words are left alone
 _OUTPUT_REGIONS = ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv", "total_recv", "comb_recv",
-                   "comb_recv_wts")
+                   "comb_recv_wts", "out_scales", "expert_counts", "exp_x", "exp_scales", "exp_wts", "exp_maps")
 
 
 def _hip_cfg(rank, ws, backend, fields):
     from mori_jit.ops.ep import EpDispatchCombineConfig
 
+    if fields.get("expert_capacity") == -1:  # room for every pair a rank can receive
+        fields = {**fields, "expert_capacity": ws * HIP_M * HIP_K}
     return EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=HIP_H, max_num_inp_token_per_rank=HIP_M,
                                    num_experts_per_rank=HIP_EPR, num_experts_per_token=HIP_K, kernel_backend=backend,
                                    **fields)
@@ -124,7 +131,7 @@ def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
                             all_to_rank=to, world_size=ws, index_dtype=cfg.index_dtype)
     w = w if with_w else None
     s = _scales(cfg, n, gen, dev)
-    _poison_regions(op, _OUTPUT_REGIONS + ("out_scales", "expert_counts"))
+    _poison_regions(op, _OUTPUT_REGIONS)
     res = op.dispatch(x, w, s, idx, return_result=True)
     on = ref.device
     r = ref.dispatch(x.to(on), None if w is None else w.to(on), None if s is None else s.to(on), idx.to(on),
@@ -134,24 +141,31 @@ def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
     golden_check(op.group, rank, ws, HIP_M, HIP_EPR, xq, wg, idx, res.out, res.out_weights, res.out_indices,
                  res.total_recv, res.routing.recv_src, None, None, scales=sq, out_scales=res.out_scales)
     if cfg.expert_counts:
-        golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, xq, w, idx, res.expert_counts, None, scales=sq)
+        golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, xq, w, idx, res.expert_counts, res.expert, scales=sq,
+                             out=res.out, recv_src=res.routing.recv_src)
+    assert (res.expert is None) == (cfg.expert_capacity == 0)
     _hip_parity(res, r)
     if cfg.routing_replay:
         recv_src = res.routing.recv_src.clone()
+        maps = [t.clone() for t in res.expert[3:]] if res.expert is not None else []
         x2, w2, _ = make_inputs(rank, n, HIP_H, HIP_K, cfg.num_experts, cfg.input_dtype, dev, gen)
         w2 = w2 if with_w else None
         s2 = _scales(cfg, n, gen, dev)
-        _poison_regions(op, ("disp_out", "out_wts", "out_scales"))  # the replay must write them again
+        _poison_regions(op, ("disp_out", "out_wts", "out_scales", "exp_x", "exp_scales", "exp_wts"))  # rewritten
         res = op.dispatch(x2, w2, s2, None, routing=res.routing, return_result=True)
         r = ref.dispatch(x2.to(on), None if w2 is None else w2.to(on), None if s2 is None else s2.to(on), None,
                          routing=r.routing, return_result=True)
         assert torch.equal(res.routing.recv_src, recv_src), "a replay moved rows"
+        assert all(torch.equal(a, b) for a, b in zip(maps, res.expert[3:] if maps else [])), "a replay moved entries"
         x, w, s = x2, w2, s2
         xq, sq = _received(cfg, x, s)
         wg = w if w is not None else torch.zeros(n, HIP_K, device=dev)
         golden_check(op.group, rank, ws, HIP_M, HIP_EPR, xq, wg, idx, res.out, res.out_weights, res.out_indices,
                      res.total_recv, recv_src, None, None, scales=sq, out_scales=res.out_scales)
         _hip_parity(res, r)
+        if cfg.expert_counts:
+            golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, xq, w, idx, res.expert_counts, res.expert,
+                                 scales=sq, out=res.out, recv_src=recv_src)
     exp = _identity_expert(res.out, cfg.combine_dtype)
     exp[int(res.total_recv.item()):].fill_(float("nan"))  # rows past total_recv must never be read
     y, y_w = op.combine(exp, weights=res.out_weights, routing=res.routing)
@@ -182,6 +196,35 @@ def _hip_replay_refusals(op, rank, gen):
         op.dispatch(x, w, s, None, routing=first.routing)
 
 
+def _hip_capacity_overflow(rank, ws, gen):
+    """Every token of every rank names expert 0 (rank 0's), more often than its capacity holds:
+    rank 0's check() raises EpCapacityError naming the expert and the count; the others do not; the
+    counts stay whole and the layout holds the first entries; after reset() the op works again."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
+    from mori_jit.ops.ep.golden import make_inputs
+    from mori_jit.ops.ep.results import EpCapacityError
+
+    n, cap = 6, 4
+    with EpDispatchCombineOp(_hip_cfg(rank, ws, "hip", dict(expert_counts=True, expert_capacity=cap))) as op:
+        x, w, idx = make_inputs(rank, n, HIP_H, HIP_K, op.cfg.num_experts, torch.bfloat16, _hip_dev(), gen)
+        idx[:, 0], idx[:, 1:] = 0, -1  # (only expert 0 receives: its count is ws * n)
+        res = op.dispatch(x, w, None, idx, return_result=True)
+        torch.cuda.synchronize()
+        if rank == 0:
+            with pytest.raises(EpCapacityError, match=f"rank 0: local expert 0 received {ws * n} .* "
+                                                      f"expert_capacity={cap}"):
+                op.check()
+            assert int(res.expert_counts[0]) == ws * n
+            assert bool((res.expert.recv_row[0] >= 0).all())  # the first cap entries are laid out
+        else:
+            op.check()
+        op.reset()  # collective
+        x, w, idx = make_inputs(rank, 1, HIP_H, HIP_K, op.cfg.num_experts, torch.bfloat16, _hip_dev(), gen)
+        op.dispatch(x, w, None, idx)
+        torch.cuda.synchronize()
+        op.check()
+
+
 def _hip_features_job(rank, ws, feature):
     from mori_jit.ops.ep import EpDispatchCombineOp
 
@@ -201,7 +244,14 @@ def _hip_features_job(rank, ws, feature):
                                          f"{e}") from e
             if op.cfg.routing_replay:
                 _hip_replay_refusals(op, rank, gen)
+            if op.cfg.expert_capacity:
+                from mori_jit.ops.ep import EpUnsupportedError
+                with pytest.raises(EpUnsupportedError, match="has no expert-major combine"):
+                    op.combine_expert_major(torch.zeros(HIP_EPR, op.cfg.expert_capacity, HIP_H, dtype=torch.bfloat16,
+                                                        device=_hip_dev()), routing=None)
             op.check()
+    if feature == "expert_layout":
+        _hip_capacity_overflow(rank, ws, gen)
 
 
 @pytest.mark.parametrize("feature", list(HIP_FEATURES))
@@ -212,7 +262,7 @@ def test_hip_moe_feature_matches_torch_and_golden(ws, feature):
 
 def _hip_graph_job(rank, ws):
     """dispatch + routing replay + combine with every feature, captured once and replayed on fresh
-    inputs; the outputs (rows, scales, counts, sums) are poisoned before each graph replay."""
+    inputs; the outputs (rows, scales, counts, layout, sums) are poisoned before each graph replay."""
     from test_ep_moe_cpu import _scales
 
     from mori_jit.ops.ep import EpDispatchCombineOp
@@ -252,13 +302,14 @@ def _hip_graph_job(rank, ws):
                 dst.copy_(src)
             for dst, src in zip(static2[:3], inputs()[:3]):  # (the replay's ids are the dispatch's)
                 dst.copy_(src)
-            _poison_regions(op, _OUTPUT_REGIONS + ("out_scales", "expert_counts"))
+            _poison_regions(op, _OUTPUT_REGIONS)
             y.fill_(float("nan")), y_w.fill_(float("nan"))
             graph.replay()
             (x, w, sc, _), idx = static2, static[3]
             golden_check(op.group, rank, ws, HIP_M, HIP_EPR, x, w, idx, res.out, res.out_weights, res.out_indices,
                          res.total_recv, res.routing.recv_src, y, y_w, scales=sc, out_scales=res.out_scales)
-            golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, x, w, idx, res.expert_counts, None, scales=sc)
+            golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, x, w, idx, res.expert_counts, res.expert,
+                                 scales=sc, out=res.out, recv_src=res.routing.recv_src)
         op.check()
 
 

@@ -397,6 +397,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     for (int e = threadIdx.x; e < kE && !replay; e += blockDim.x) {
       counts[e] = plat::load_volatile(adds + e);
       adds[e] = 0;
+      if constexpr (kCfg.expertCapacity > 0) At<unsigned>(args, rank, args.off_exp_cursor)[e] = 0;  // (the layout's)
     }
   }
   if (threadIdx.x == 0) {

@@ -19,14 +19,16 @@ from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
-from .kernel_cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, CombWord, EpMaxRecv, ErrCode, FlagUnit,
+from .kernel_cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, LAYOUT, CombWord, EpMaxRecv, ErrCode, FlagUnit,
                   WaitId, region_bytes)
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
 from .quant import ue8m0_dtype
+from .results import EpCapacityError, EpExpertLayout
 from .variants import ep_variants, hip_gaps
 
-__all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "ScaleViews", "WAIT_MESSAGES", "decode_error"]
+__all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "ScaleViews", "ExpertLayouts", "WAIT_MESSAGES",
+           "decode_error"]
 
 #: What each spin-wait of the kernels waits for (every WaitId has one; a CPU test checks).
 WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispatch-done count",
@@ -35,7 +37,7 @@ WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispa
                  WaitId.kWaitCombineRows: "combine (low latency): waiting for a peer's row of a token (its words "
                                           "never arrived)"}
 # Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots and weights).
-_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync", "expert_adds")
+_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync", "expert_adds", "exp_cursor")
 # Low latency: regions whose every 32-bit word starts as CombWord.kEmptyWord (filled with this byte),
 # and the weights, which carry an epoch.
 _EMPTY_REGIONS, _EPOCH_REGIONS = ("comb_recv",), ("comb_recv_wts",)
@@ -70,6 +72,11 @@ def decode_error(words: list[int], rank: int) -> str:
     if code == ErrCode.kErrShortInput:
         return (f"rank {(detail >> 16) & 0xFFFF}: combine input had {extra & 0xFFFFFFFF} rows but dispatch "
                 f"received {extra >> 32}; the missing rows were not combined")
+    if code == ErrCode.kErrCapacity:
+        who, expert, count, cap = (detail >> 16) & 0xFFFF, detail >> 32, extra >> 32, extra & 0xFFFFFFFF
+        return (f"rank {who}: local expert {expert} received {count} (token, expert) pairs, more than "
+                f"expert_capacity={cap}; the expert-major layout holds the first {cap} (the receive rows and the "
+                f"counts are whole); raise expert_capacity to at least {count}")
     if code == ErrCode.kErrPeerShortInput:
         who, peer = (detail >> 16) & 0xFFFF, detail >> 32
         # (a range flag reports its range's first token, the low-latency path the token itself)
@@ -144,6 +151,30 @@ class ScaleViews:
         return view
 
 
+class ExpertLayouts:
+    """The expert-major layout regions as an :class:`EpExpertLayout` of views, one per (scales dtype,
+    weights given or not), made once: ``x [E, C, H]``, ``scales [E, C, S]``, ``weights [E, C]`` and
+    the maps ``recv_row``/``src``/``slot [E, C]``."""
+
+    def __init__(self, arena: SymmArena, cfg: EpDispatchCombineConfig):
+        E, C = cfg.num_experts_per_rank, cfg.expert_capacity
+        self._arena, self._shape, self._scale_dim = arena, (E, C), cfg.scale_dim
+        self._x = arena.view("exp_x", cfg.dispatch_dtype, (E, C, cfg.hidden_dim))
+        self._w = arena.view("exp_wts", torch.float32, (E, C))
+        self._maps = arena.view("exp_maps", torch.int32, (3, E, C))
+        self._made: dict[tuple, EpExpertLayout] = {}
+
+    def of(self, scales: Optional[torch.Tensor], weighted: bool) -> EpExpertLayout:
+        """The layout of a dispatch whose ``out_scales`` are ``scales`` (None: none; their dtype is the
+        layout's) and that got weights or not."""
+        key = (None if scales is None else scales.dtype, weighted)
+        lay = self._made.get(key)
+        if lay is None:
+            s = None if scales is None else self._arena.view("exp_scales", scales.dtype, (*self._shape, self._scale_dim))
+            lay = self._made[key] = EpExpertLayout(self._x, s, self._w if weighted else None, *self._maps)
+        return lay
+
+
 class EpDispatchCombineOpHip(EpDispatchCombineOp):
     """EP op on the JIT kernels."""
 
@@ -174,6 +205,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         build_many(requests, tc)  # misses compile in parallel; loading stays on this thread (its context)
         plans = {(spec.kind, c): prepare(spec, c, tc, dev) for spec, c in requests}
         disp_plans = [plans[(DISPATCH, c)] for c in var.dispatch]
+        layout_plans = [plans[(LAYOUT, c)] for c in var.dispatch] if cfg.expert_capacity else []
         comb_plans = [plans[(COMBINE, c)] for c in var.combine]
 
         err = torch.zeros(4, dtype=torch.int64, pin_memory=True)  # host-mapped: read without a sync
@@ -187,9 +219,11 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         for name in EP_REGIONS:
             setattr(base, f"off_{name}", arena.offsets[name])
         dargs, cargs = EP_ARGS.ctype.from_buffer_copy(base), EP_ARGS.ctype.from_buffer_copy(base)
+        largs = EP_ARGS.ctype.from_buffer_copy(base)  # the layout kernel's (after each dispatch)
         # one args struct per leg, rewritten per call; each variant's launch is bound to it
         disp_launch = [p.bind_struct(dargs) for p in disp_plans]
         comb_launch = [p.bind_struct(cargs) for p in comb_plans]
+        layout_launch = [p.bind_struct(largs) for p in layout_plans]
 
         cap, hidden, k = EpMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
         out = arena.view("disp_out", cfg.dispatch_dtype, (cap, hidden))
@@ -201,8 +235,21 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         if cfg.quant_type not in (None, "none"):
             made = torch.float32 if cfg.scale_type_size == 4 else ue8m0_dtype()
         scale_views = ScaleViews(arena, cap, cfg.scale_dim, made)
-        # the MoE outputs (EpDispatchResult's last two): the local expert counts, no expert-major layout
-        moe = (arena.view("expert_counts", torch.int32, (cfg.num_experts_per_rank,)), None) if cfg.expert_counts else None
+        counts = arena.view("expert_counts", torch.int32, (cfg.num_experts_per_rank,)) if cfg.expert_counts else None
+        layouts = ExpertLayouts(arena, cfg) if cfg.expert_capacity else None
+        out_w_ptr = out_w.data_ptr()
+
+        def moe_outputs(v, out_s, weights, replay):
+            # EpDispatchResult's last two: the local expert counts and the expert-major layout, which
+            # the layout kernel builds (a replay: refills) from the received rows
+            if counts is None:
+                return None
+            if layouts is None:
+                return counts, None
+            largs.inpWeights = out_w_ptr if weights is not None else 0  # (the received weights)
+            largs.replay = replay
+            layout_launch[v]()
+            return counts, layouts.of(out_s, weights is not None)
         inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
 
         given = arena.tensor.data_ptr()  # (see _weights_ptr)
@@ -214,8 +261,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             dargs.numTokens = x.shape[0]
             dargs.inpScales = scales.data_ptr() if scales is not None else 0
             disp_launch[v]()
-            return (out, out_w if weights is not None else None, scale_views.of(scales), out_idx, total_recv,
-                    HipRouting(x.shape[0], recv_src, total_recv), moe)
+            out_s = scale_views.of(scales)
+            return (out, out_w if weights is not None else None, out_s, out_idx, total_recv,
+                    HipRouting(x.shape[0], recv_src, total_recv), moe_outputs(v, out_s, weights, 0))
 
         def replay(v, x, weights, scales, routing):
             # the dispatch's launch with the replay flag: the rows go where routing's dispatch put them
@@ -228,8 +276,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
                 disp_launch[v]()
             finally:
                 dargs.replay = 0  # (the args struct is the dispatch's too)
-            return (out, out_w if weights is not None else None, scale_views.of(scales), out_idx, total_recv,
-                    routing, moe)
+            out_s = scale_views.of(scales)
+            return (out, out_w if weights is not None else None, out_s, out_idx, total_recv, routing,
+                    moe_outputs(v, out_s, weights, 1))
 
         # from the default allocator (never from inp, which may lie in the symmetric arena)
         new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, dev)
@@ -259,7 +308,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         def check():
             if err_words[0]:
-                raise EpDeviceError(decode_error(list(err_words), cfg.rank) + "; call op.reset() (collective)")
+                error = EpCapacityError if err_words[0] == ErrCode.kErrCapacity else EpDeviceError
+                raise error(decode_error(list(err_words), cfg.rank) + "; call op.reset() (collective)")
 
         def reset():
             torch.cuda.synchronize(dev)

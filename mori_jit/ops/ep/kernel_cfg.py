@@ -22,7 +22,7 @@ from .tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
            "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "EP_MAX_COUNTED_EXPERTS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
-           "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE"]
+           "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE", "LAYOUT"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
 EP_MAX_PEERS = 8
@@ -38,6 +38,8 @@ EP_MAX_BULK_SMEM = 192 * 1024
 #: block's shared memory (8 KiB).
 EP_MAX_COUNTED_EXPERTS = 2048
 DISPATCH, COMBINE = "dispatch", "combine"
+#: The expert-major layout kernel (launched after a dispatch, on the dispatch's EpCfg).
+LAYOUT = "layout"
 
 
 class EpDType(CEnum):
@@ -103,6 +105,7 @@ class ErrCode(_U64Const):
     kErrTimeout = 0x4D4F5249  # "MORI": a spin-wait gave up after the timeout
     kErrShortInput = 0x53484F52  # "SHOR": the combine input has fewer rows than were received
     kErrPeerShortInput = 0x50534852  # "PSHR": a peer's short combine input left some of our tokens without its rows
+    kErrCapacity = 0x43415041  # "CAPA": a local expert received more pairs than the expert-major layout holds
 
 
 class XdbRow(CConst):
@@ -201,6 +204,9 @@ class EpCfg:
     # dispatch: the input is bf16 and each 128-element block is cast to e4m3 (dtype Fp8) with its
     # scale (scaleTypeSize 4: float32, 1: UE8M0) on the way, as quant.py does, bit for bit
     quantFp8Block128: bool = False
+    # dispatch: > 0 lays the received (token, local expert) pairs out expert-major, expertCapacity
+    # entries per expert (needs expertCounts), by the layout kernel launched after each dispatch
+    expertCapacity: int = 0
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -258,6 +264,8 @@ _RULES: list[tuple[Any, str]] = [
                              & (C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(1)) & C.bulkMinTokens.eq(0)),
      "quantFp8Block128 needs dtype Fp8, hiddenDim a multiple of 128, scaleDim = hiddenDim / 128, scaleTypeSize 4 "
      "or 1, and bulkMinTokens 0 (the rows are cast in registers)"),
+    (C.expertCapacity.eq(0) | ((C.expertCapacity >= 1) & C.expertCounts),
+     "expertCapacity must be 0 (no expert-major layout) or >= 1 with expertCounts"),
     (~C.expertCounts | (EpNumExperts <= EP_MAX_COUNTED_EXPERTS),
      f"expertCounts needs numExpertPerRank*worldSize <= {EP_MAX_COUNTED_EXPERTS} (a block tallies every expert in "
      f"shared memory)"),
@@ -302,6 +310,11 @@ EP_REGIONS: dict[str, str] = {
     "out_scales": "received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales",
     "expert_adds": "received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts",
     "expert_counts": "the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts",
+    "exp_cursor": "expert-major layout: next entry per local expert [numExpertPerRank] u32 (local; the dispatch zeroes it, the layout kernel claims); none without expertCapacity",
+    "exp_x": "expert-major layout: rows [numExpertPerRank, expertCapacity, tokenBytes] (local)",
+    "exp_scales": "expert-major layout: scales [numExpertPerRank, expertCapacity, scaleDim * scaleTypeSize bytes] (local)",
+    "exp_wts": "expert-major layout: each entry's top-k weight [numExpertPerRank, expertCapacity] f32, 0 on padding (local)",
+    "exp_maps": "expert-major layout: receive row, source (srcRank*M + srcTok), top-k slot [3, numExpertPerRank, expertCapacity] i32, -1 on padding (local)",
 }
 
 EP_ARGS = ArgsSchema("EpArgs", [
@@ -342,12 +355,21 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "out_scales": recv * disp.scaleDim * disp.scaleTypeSize,
         "expert_adds": 2 * disp.numExpertPerRank * 4 if disp.expertCounts else 0,
         "expert_counts": disp.numExpertPerRank * 4 if disp.expertCounts else 0,
+        **_layout_bytes(disp),
     }
+
+
+def _layout_bytes(disp: EpCfg) -> dict[str, int]:
+    """Bytes of the expert-major layout's regions (all 0 without expertCapacity)."""
+    entries = disp.numExpertPerRank * disp.expertCapacity
+    return {"exp_cursor": disp.numExpertPerRank * 4 if entries else 0, "exp_x": entries * EpTokenBytes(disp),
+            "exp_scales": entries * disp.scaleDim * disp.scaleTypeSize, "exp_wts": entries * 4,
+            "exp_maps": 3 * entries * 4}
 
 
 def _leg_defaults(kind: str, arch: str) -> dict[str, Any]:
     # the geometry default is the tuning table's fallback: one number, one place
-    blocks, warps = DEFAULT_DISPATCH if kind == DISPATCH else DEFAULT_COMBINE
+    blocks, warps = DEFAULT_COMBINE if kind == COMBINE else DEFAULT_DISPATCH  # (a layout runs on the dispatch's)
     return {"waveSize": wave_size_for_arch(arch), "blockNum": blocks, "warpPerBlock": warps}
 
 
@@ -376,9 +398,9 @@ def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
     The only place ``MORI_V2_EP_*`` is read; the result goes into the key like any other Cfg. The
     combine leg refuses byte dtypes (they can be moved, not summed) and bulk copies (dispatch only).
     """
-    if kind not in (DISPATCH, COMBINE):
-        raise ValueError(f"kind must be {DISPATCH!r} or {COMBINE!r}, got {kind!r}")
-    merged = {**_leg_defaults(kind, arch), **request, **_env_overrides(kind)}
+    if kind not in (DISPATCH, COMBINE, LAYOUT):
+        raise ValueError(f"kind must be {DISPATCH!r}, {COMBINE!r} or {LAYOUT!r}, got {kind!r}")
+    merged = {**_leg_defaults(kind, arch), **request, **_env_overrides(COMBINE if kind == COMBINE else DISPATCH)}
     cfg = apply_request(EpCfg(worldSize=1, waveSize=wave_size_for_arch(arch)), merged)
     if kind == COMBINE and not EpSummable(cfg):
         raise ConfigError(f"combine dtype {cfg.dtype.name} cannot be summed; combine supports Bf16 and Fp32")

@@ -14,7 +14,7 @@ import torch
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from .kernel_cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
+from .kernel_cfg import COMBINE, DISPATCH, LAYOUT, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
 from .config import EpDispatchCombineConfig
 from .op import gather_unquantized_gaps
 from .schedule import Schedule
@@ -48,8 +48,6 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     GPUs) (empty = they can); the live op adds the device check, ``mori-jit precompile --ep``
     refuses the same configs."""
     missing = gather_unquantized_gaps(cfg)
-    if cfg.expert_capacity:
-        missing.append(f"expert_capacity={cfg.expert_capacity} (the expert-major layout)")
     if cfg.is_internode:
         missing.append(internode_gap(cfg, arch))
     if cfg.world_size > EP_MAX_PEERS:
@@ -62,7 +60,7 @@ def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
     only its non-default fields, so an op without them renders, keys and builds as before."""
     return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size,
             "expertCounts": cfg.expert_counts, "routingReplay": cfg.routing_replay,
-            "quantFp8Block128": cfg.quant_type == "fp8_e4m3_block128"}
+            "quantFp8Block128": cfg.quant_type == "fp8_e4m3_block128", "expertCapacity": cfg.expert_capacity}
 
 
 def _check_num_cus(num_cus) -> None:
@@ -84,14 +82,16 @@ class EpVariants:
     combine: tuple[EpCfg, ...]
 
     def all_cfgs(self) -> list[tuple[str, EpCfg]]:
-        """Distinct (kind, cfg) pairs — the set of binaries to compile."""
-        out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine])
+        """Distinct (kind, cfg) pairs — the set of binaries to compile (a dispatch with the
+        expert-major layout brings its layout kernel)."""
+        out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine]
+                            + [(LAYOUT, c) for c in self.dispatch if c.expertCapacity])
         return list(out)
 
     def requests(self) -> list[tuple]:
         """The ``(spec, EpCfg)`` pairs to prepare: :meth:`all_cfgs` with each kind's spec."""
-        from .specs import EP_COMBINE, EP_DISPATCH
-        spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE}
+        from .specs import EP_COMBINE, EP_DISPATCH, EP_LAYOUT
+        spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE, LAYOUT: EP_LAYOUT}
         return [(spec[kind], c) for kind, c in self.all_cfgs()]
 
 
