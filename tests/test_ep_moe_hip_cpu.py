@@ -149,7 +149,7 @@ def test_an_ep_cfg_refuses_an_inconsistent_fp8_cast(fields):
         EpCfg(**{**good, **fields})
 
 
-def test_the_expert_major_layout_adds_a_layout_kernel_per_dispatch_variant():
+def test_the_expert_major_layout_adds_its_kernels_per_variant():
     from mori_jit.ops.ep.specs import EP_LAYOUT
 
     cfg = _cfg(expert_counts=True, expert_capacity=24, scale_dim=2, scale_type_size=4)
@@ -162,12 +162,22 @@ def test_the_expert_major_layout_adds_a_layout_kernel_per_dispatch_variant():
     assert EP_LAYOUT.precompile_cfgs(make_toolchain("sm_90a")) == []  # only an op's config has one
     assert EP_LAYOUT.geometry(layouts[0]).shared_bytes == 0
     E, H, entries = BASE["num_experts_per_rank"], BASE["hidden_dim"], BASE["num_experts_per_rank"] * 24
-    got = region_bytes(laid.dispatch[0], laid.combine[0])
+    got = laid.region_bytes()
     assert (got["exp_cursor"], got["exp_x"], got["exp_scales"], got["exp_wts"], got["exp_maps"]) == (
         E * 4, entries * H * 2, entries * 2 * 4, entries * 4, 3 * entries * 4)
     none = region_bytes(plain.dispatch[0], plain.combine[0])
     assert not any(none[k] for k in ("exp_cursor", "exp_x", "exp_scales", "exp_wts", "exp_maps"))
-    assert all(spec.entry_name(c).endswith("_c24") for spec, c in laid.requests() if spec.kind != "combine")
+    assert all(spec.entry_name(c).endswith("_c24") for spec, c in laid.requests() if spec.kind in ("dispatch", "layout"))
+    # combine_expert_major: a local sum on each combine EpCfg, then the same combine moving float32 rows
+    from mori_jit.ops.ep.kernel_cfg import EpDType
+    from mori_jit.ops.ep.specs import EP_COMBINE, EP_EXPERT_SUM
+    assert [c for spec, c in laid.requests() if spec is EP_EXPERT_SUM] == list(dict.fromkeys(laid.combine))
+    assert laid.expert_combine == tuple(dataclasses.replace(c, dtype=EpDType.Fp32) for c in laid.combine)
+    assert {c for spec, c in laid.requests() if spec is EP_COMBINE} == {*laid.combine, *laid.expert_combine}
+    assert plain.expert_combine == () and EP_EXPERT_SUM.precompile_cfgs(make_toolchain("sm_90a")) == []
+    # the float32 rows size the combine's receive side
+    assert got["comb_recv"] == 2 * region_bytes(laid.dispatch[0], laid.combine[0])["comb_recv"]
+    assert got["exp_entry"] == 2 * BASE["max_num_inp_token_per_rank"] * BASE["num_experts_per_token"] * 4
 
 
 def test_an_ep_cfg_refuses_a_layout_without_counts():
@@ -204,16 +214,16 @@ FEATURE_CFGS = {
 def test_real_compilers_build_the_moe_kernels(arch, compiler, feature):
     tc = toolchain_or_skip(arch)
     fields, field = FEATURE_CFGS[feature]
-    built = []
-    kinds = set()
-    for spec, c in plan_requests(_cfg(**fields), arch, 104):
-        if spec.kind == "combine":
-            continue
+    var = ep_variants(_cfg(**fields), arch, 104)
+    built: dict[str, list] = {}
+    for spec, c in var.requests():
+        if spec.kind == "combine" and c in var.combine:
+            continue  # (the plain combine: test_ep_precompile builds those)
         e = build(spec, c, tc)
         assert spec.entry_name(c).encode() in e.binary.read_bytes()
-        built.append(c)
-        kinds.add(spec.kind)
-    assert built and all(getattr(c, field) for c in built)
-    assert kinds == ({"dispatch", "layout"} if field == "expertCapacity" else {"dispatch"})
+        built.setdefault(spec.kind, []).append(c)
+    assert all(getattr(c, field) for c in built["dispatch"])
+    # the layout brings its kernel, the expert-major combine a local sum and a float32 combine
+    assert set(built) == ({"dispatch", "layout", "expert_sum", "combine"} if field == "expertCapacity" else {"dispatch"})
     if "_bulk" in feature and arch == "sm_90a":
-        assert any(c.bulkMinTokens for c in built)
+        assert any(c.bulkMinTokens for c in built["dispatch"])

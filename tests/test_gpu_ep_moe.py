@@ -55,7 +55,7 @@ HIP_FEATURES = {
                       scale_dim=HIP_H // 128, scale_type_size=4, expert_counts=True),
                  dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
                       scale_dim=HIP_H // 128, scale_type_size=1, routing_replay=True, index_dtype=torch.int64)],
-    # the expert-major layout (and, with replay, refilled along the same entries); a capacity overflow
+    # the expert-major layout (with replay: refilled along the same entries) and its combine; an overflow
     "expert_layout": [dict(expert_counts=True, expert_capacity=-1, scale_dim=2, scale_type_size=4, routing_replay=True),
                       dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
                            scale_dim=HIP_H // 128, scale_type_size=1, expert_counts=True, expert_capacity=-1,
@@ -121,11 +121,12 @@ def _hip_parity(res, ref):
 
 def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
     """One dispatch (+ replay, + combine) on both backends: golden checks and parity."""
-    from test_ep_moe_cpu import _received, _scales
+    from test_ep_moe_cpu import H, _check_expert_major_combine, _received, _scales, _values
 
     from mori_jit.ops.ep.golden import golden_check, make_inputs
     from mori_jit.ops.ep.golden_moe import golden_check_experts
 
+    assert H == HIP_H  # (_check_expert_major_combine's hidden size)
     cfg, dev = op.cfg, _hip_dev()
     x, w, idx = make_inputs(rank, n, HIP_H, HIP_K, cfg.num_experts, cfg.input_dtype, dev, gen, drop_frac=drop,
                             all_to_rank=to, world_size=ws, index_dtype=cfg.index_dtype)
@@ -145,6 +146,8 @@ def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
                              out=res.out, recv_src=res.routing.recv_src)
     assert (res.expert is None) == (cfg.expert_capacity == 0)
     _hip_parity(res, r)
+    if cfg.expert_capacity:
+        _check_expert_major_combine(op, res, _values(xq, sq, bool(cfg.quant_type)), w, idx, rank, ws)
     if cfg.routing_replay:
         recv_src = res.routing.recv_src.clone()
         maps = [t.clone() for t in res.expert[3:]] if res.expert is not None else []
@@ -166,6 +169,8 @@ def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
         if cfg.expert_counts:
             golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, xq, w, idx, res.expert_counts, res.expert,
                                  scales=sq, out=res.out, recv_src=recv_src)
+        if cfg.expert_capacity:
+            _check_expert_major_combine(op, res, _values(xq, sq, bool(cfg.quant_type)), w, idx, rank, ws)
     exp = _identity_expert(res.out, cfg.combine_dtype)
     exp[int(res.total_recv.item()):].fill_(float("nan"))  # rows past total_recv must never be read
     y, y_w = op.combine(exp, weights=res.out_weights, routing=res.routing)
@@ -244,11 +249,6 @@ def _hip_features_job(rank, ws, feature):
                                          f"{e}") from e
             if op.cfg.routing_replay:
                 _hip_replay_refusals(op, rank, gen)
-            if op.cfg.expert_capacity:
-                from mori_jit.ops.ep import EpUnsupportedError
-                with pytest.raises(EpUnsupportedError, match="has no expert-major combine"):
-                    op.combine_expert_major(torch.zeros(HIP_EPR, op.cfg.expert_capacity, HIP_H, dtype=torch.bfloat16,
-                                                        device=_hip_dev()), routing=None)
             op.check()
     if feature == "expert_layout":
         _hip_capacity_overflow(rank, ws, gen)

@@ -8,7 +8,8 @@
 // every entry it claimed. Entries from the count on are padding (-1 maps, weight 0). More pairs than
 // kCfg.expertCapacity are counted (expert_counts keeps the true count), never written, and reported
 // in the error words (kErrCapacity). A replay keeps the maps: a wave per valid entry gathers the new
-// row, scales and weight along them, so the entries stay where the dispatch put them.
+// row, scales and weight along them, so the entries stay where the dispatch put them. The claim
+// also records each (row, slot)'s entry (exp_entry), the way back for the expert-major combine.
 #pragma once
 #include "ep/ep_common.hpp"
 
@@ -79,6 +80,7 @@ MORI_DEVICE void EpLayoutBody(const EpArgs& args) {
     const int total = *At<int>(args, rank, args.off_total_recv);
     unsigned* cursor = At<unsigned>(args, rank, args.off_exp_cursor);
     const int* recvSrc = At<int>(args, rank, args.off_recv_to_src);
+    int* entryOf = At<int>(args, rank, args.off_exp_entry);
     for (int r = wave; r < total; r += waves) {
       int i = -1;
       if (lane < kK) {
@@ -93,8 +95,43 @@ MORI_DEVICE void EpLayoutBody(const EpArgs& args) {
             if (recvWts != nullptr) wts[i] = recvWts[r * kK + lane];
           }
         }
+        entryOf[r * kK + lane] = i;  // (the expert-major combine's way back)
       }
       for (uint64_t m = plat::ballot(i >= 0); m; m &= m - 1) CopyEntry<kCfg>(args, r, plat::shfl(i, plat::lowest_bit(m)));
+    }
+  }
+}
+
+// The expert-major combine's local half (the `expert_sum` kernel, on the combine's EpCfg): each
+// received row's entries of the expert output (inpTok [E, C, H] of T, weighted on the expert side)
+// summed in float32 in top-k slot order, through exp_entry, into outTok [>= total, H] float32,
+// which the float32 combine then sends home. Padding entries are never read.
+template <EpCfg kCfg, typename T>
+MORI_DEVICE void EpExpertSumBody(const EpArgs& args) {
+  static_assert(EpIsValid(kCfg), "invalid EpCfg");
+  static_assert(kCfg.waveSize == plat::kWaveSize, "Cfg waveSize does not match the target");
+  static_assert(sizeof(T) == EpElemBytes(kCfg), "element type does not match the Cfg dtype");
+  constexpr int kK = kCfg.numExpertPerToken, kW = kCfg.waveSize, kPer = 16 / sizeof(T);
+  constexpr int kVecs = EpTokenBytes(kCfg) / 16;
+  const int rank = args.rank, lane = plat::lane_id();
+  const int waves = gridDim.x * kCfg.warpPerBlock, wave = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
+  const int total = *At<int>(args, rank, args.off_total_recv);
+  const int* entryOf = At<int>(args, rank, args.off_exp_entry);
+  const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
+  float* rows = static_cast<float*>(args.outTok);
+  for (int r = wave; r < total; r += waves) {
+    for (int v = lane; v < kVecs; v += kW) {
+      float acc[kPer] = {};
+      for (int j = 0; j < kK; ++j) {  // (a wave-uniform broadcast load per slot)
+        const int i = entryOf[r * kK + j];
+        if (i < 0) continue;
+        const vec16_t x = in[size_t(i) * kVecs + v];
+        T el[kPer];
+        __builtin_memcpy(el, &x, 16);
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) acc[e] += to_f32(el[e]);
+      }
+      __builtin_memcpy(rows + size_t(r) * kCfg.hiddenDim + size_t(v) * kPer, acc, sizeof(acc));
     }
   }
 }

@@ -20,15 +20,15 @@ from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
 from .kernel_cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, LAYOUT, CombWord, EpMaxRecv, ErrCode, FlagUnit,
-                  WaitId, region_bytes)
+                  WaitId)
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
+from .backend_hip_moe import ExpertLayouts, ScaleViews, expert_major_combine
 from .quant import ue8m0_dtype
-from .results import EpCapacityError, EpExpertLayout
+from .results import EpCapacityError
 from .variants import ep_variants, hip_gaps
 
-__all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "ScaleViews", "ExpertLayouts", "WAIT_MESSAGES",
-           "decode_error"]
+__all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSAGES", "decode_error"]
 
 #: What each spin-wait of the kernels waits for (every WaitId has one; a CPU test checks).
 WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispatch-done count",
@@ -131,50 +131,6 @@ class CombineOutputs:
         return torch.empty_like(self._templates(n)[1])
 
 
-class ScaleViews:
-    """The ``out_scales`` region as ``[cap, scale_dim]`` in the dtype of the scales a dispatch passed
-    (float32, UE8M0 bytes, ...: the kernels move bytes), one view per dtype, made once. Under in-op
-    quantization the kernels make the scales: ``made`` is their dtype."""
-
-    def __init__(self, arena: SymmArena, cap: int, scale_dim: int, made: Optional[torch.dtype] = None):
-        self._arena, self._shape = arena, (cap, scale_dim)
-        self._views: dict[torch.dtype, torch.Tensor] = {}
-        self._made = None if made is None else arena.view("out_scales", made, self._shape)
-
-    def of(self, scales: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The view in ``scales``' dtype (None: the kernels' own scales, or no scales)."""
-        if scales is None:
-            return self._made
-        view = self._views.get(scales.dtype)
-        if view is None:
-            view = self._views[scales.dtype] = self._arena.view("out_scales", scales.dtype, self._shape)
-        return view
-
-
-class ExpertLayouts:
-    """The expert-major layout regions as an :class:`EpExpertLayout` of views, one per (scales dtype,
-    weights given or not), made once: ``x [E, C, H]``, ``scales [E, C, S]``, ``weights [E, C]`` and
-    the maps ``recv_row``/``src``/``slot [E, C]``."""
-
-    def __init__(self, arena: SymmArena, cfg: EpDispatchCombineConfig):
-        E, C = cfg.num_experts_per_rank, cfg.expert_capacity
-        self._arena, self._shape, self._scale_dim = arena, (E, C), cfg.scale_dim
-        self._x = arena.view("exp_x", cfg.dispatch_dtype, (E, C, cfg.hidden_dim))
-        self._w = arena.view("exp_wts", torch.float32, (E, C))
-        self._maps = arena.view("exp_maps", torch.int32, (3, E, C))
-        self._made: dict[tuple, EpExpertLayout] = {}
-
-    def of(self, scales: Optional[torch.Tensor], weighted: bool) -> EpExpertLayout:
-        """The layout of a dispatch whose ``out_scales`` are ``scales`` (None: none; their dtype is the
-        layout's) and that got weights or not."""
-        key = (None if scales is None else scales.dtype, weighted)
-        lay = self._made.get(key)
-        if lay is None:
-            s = None if scales is None else self._arena.view("exp_scales", scales.dtype, (*self._shape, self._scale_dim))
-            lay = self._made[key] = EpExpertLayout(self._x, s, self._w if weighted else None, *self._maps)
-        return lay
-
-
 class EpDispatchCombineOpHip(EpDispatchCombineOp):
     """EP op on the JIT kernels."""
 
@@ -190,7 +146,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self._num_cus = props.multi_processor_count
         self._variants = ep_variants(cfg, self._toolchain.arch, self._num_cus, self.ranks_per_device)
-        return region_bytes(self._variants.dispatch[0], self._variants.combine[0])
+        return self._variants.region_bytes()
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
         assert arena is not None
@@ -250,6 +206,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             largs.replay = replay
             layout_launch[v]()
             return counts, layouts.of(out_s, weights is not None)
+
         inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
 
         given = arena.tensor.data_ptr()  # (see _weights_ptr)
@@ -298,6 +255,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             comb_launch[v]()
             return y, y_w
 
+        expert_combine = expert_major_combine(cfg, var, plans, base, dev)  # (None without the layout)
+
         def combine_input_buffer():
             # A plain allocation, not arena: the push combine reads its input only locally, so this
             # costs no symmetric memory (world_size * M rows), and nothing unless it is asked for.
@@ -330,4 +289,4 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
                          capabilities=frozenset({"graph", "zero_copy_combine", "scales"}),
                          check=check, reset=reset, combine_input_buffer=combine_input_buffer, close=close,
                          bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)},
-                         replay=replay if cfg.routing_replay else None)
+                         replay=replay if cfg.routing_replay else None, combine_expert_major=expert_combine)

@@ -22,7 +22,8 @@ from .tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
            "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "EP_MAX_COUNTED_EXPERTS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
-           "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE", "LAYOUT"]
+           "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE", "LAYOUT",
+           "EXPERT_SUM"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
 EP_MAX_PEERS = 8
@@ -38,8 +39,9 @@ EP_MAX_BULK_SMEM = 192 * 1024
 #: block's shared memory (8 KiB).
 EP_MAX_COUNTED_EXPERTS = 2048
 DISPATCH, COMBINE = "dispatch", "combine"
-#: The expert-major layout kernel (launched after a dispatch, on the dispatch's EpCfg).
-LAYOUT = "layout"
+#: The expert-major layout kernel (launched after a dispatch, on the dispatch's EpCfg) and the
+#: expert-major combine's local sum (launched before a float32 combine, on the combine's EpCfg).
+LAYOUT, EXPERT_SUM = "layout", "expert_sum"
 
 
 class EpDType(CEnum):
@@ -315,6 +317,7 @@ EP_REGIONS: dict[str, str] = {
     "exp_scales": "expert-major layout: scales [numExpertPerRank, expertCapacity, scaleDim * scaleTypeSize bytes] (local)",
     "exp_wts": "expert-major layout: each entry's top-k weight [numExpertPerRank, expertCapacity] f32, 0 on padding (local)",
     "exp_maps": "expert-major layout: receive row, source (srcRank*M + srcTok), top-k slot [3, numExpertPerRank, expertCapacity] i32, -1 on padding (local)",
+    "exp_entry": "expert-major layout: the entry e*expertCapacity + c of each received (row, top-k slot) [maxRecv, k] i32, -1 for none (local)",
 }
 
 EP_ARGS = ArgsSchema("EpArgs", [
@@ -364,12 +367,13 @@ def _layout_bytes(disp: EpCfg) -> dict[str, int]:
     entries = disp.numExpertPerRank * disp.expertCapacity
     return {"exp_cursor": disp.numExpertPerRank * 4 if entries else 0, "exp_x": entries * EpTokenBytes(disp),
             "exp_scales": entries * disp.scaleDim * disp.scaleTypeSize, "exp_wts": entries * 4,
-            "exp_maps": 3 * entries * 4}
+            "exp_maps": 3 * entries * 4, "exp_entry": EpMaxRecv(disp) * disp.numExpertPerToken * 4 if entries else 0}
 
 
 def _leg_defaults(kind: str, arch: str) -> dict[str, Any]:
     # the geometry default is the tuning table's fallback: one number, one place
-    blocks, warps = DEFAULT_COMBINE if kind == COMBINE else DEFAULT_DISPATCH  # (a layout runs on the dispatch's)
+    # (a layout runs on the dispatch's EpCfg, an expert sum on the combine's)
+    blocks, warps = DEFAULT_COMBINE if kind in (COMBINE, EXPERT_SUM) else DEFAULT_DISPATCH
     return {"waveSize": wave_size_for_arch(arch), "blockNum": blocks, "warpPerBlock": warps}
 
 
@@ -398,11 +402,12 @@ def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
     The only place ``MORI_V2_EP_*`` is read; the result goes into the key like any other Cfg. The
     combine leg refuses byte dtypes (they can be moved, not summed) and bulk copies (dispatch only).
     """
-    if kind not in (DISPATCH, COMBINE, LAYOUT):
-        raise ValueError(f"kind must be {DISPATCH!r}, {COMBINE!r} or {LAYOUT!r}, got {kind!r}")
-    merged = {**_leg_defaults(kind, arch), **request, **_env_overrides(COMBINE if kind == COMBINE else DISPATCH)}
+    if kind not in (DISPATCH, COMBINE, LAYOUT, EXPERT_SUM):
+        raise ValueError(f"kind must be one of {DISPATCH!r}, {COMBINE!r}, {LAYOUT!r}, {EXPERT_SUM!r}, got {kind!r}")
+    merged = {**_leg_defaults(kind, arch), **request,
+              **_env_overrides(COMBINE if kind in (COMBINE, EXPERT_SUM) else DISPATCH)}
     cfg = apply_request(EpCfg(worldSize=1, waveSize=wave_size_for_arch(arch)), merged)
-    if kind == COMBINE and not EpSummable(cfg):
+    if kind in (COMBINE, EXPERT_SUM) and not EpSummable(cfg):
         raise ConfigError(f"combine dtype {cfg.dtype.name} cannot be summed; combine supports Bf16 and Fp32")
     if kind == COMBINE and cfg.bulkMinTokens:
         raise ConfigError(f"bulkMinTokens={cfg.bulkMinTokens} on the combine leg: bulk copies are a dispatch "

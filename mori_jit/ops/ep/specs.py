@@ -5,12 +5,13 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain
 
-from .kernel_cfg import COMBINE, DISPATCH, EP_ARGS, LAYOUT, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, make_ep_cfg
+from .kernel_cfg import COMBINE, DISPATCH, EP_ARGS, EXPERT_SUM, LAYOUT, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, make_ep_cfg
 
-__all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "EP_LAYOUT", "ELEM_TYPES"]
+__all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "EP_LAYOUT", "EP_EXPERT_SUM", "ELEM_TYPES"]
 
 #: The kernel body of each kind.
-_BODIES = {DISPATCH: "EpDispatchBody", COMBINE: "EpCombineBody", LAYOUT: "EpLayoutBody"}
+_BODIES = {DISPATCH: "EpDispatchBody", COMBINE: "EpCombineBody", LAYOUT: "EpLayoutBody",
+           EXPERT_SUM: "EpExpertSumBody"}
 
 #: Device element type of each dtype tag (expanded at render time; the Cfg header has only the tag).
 ELEM_TYPES = {EpDType.Bf16: "mori::bf16_t", EpDType.Fp32: "float", EpDType.Fp8: "mori::fp8_t",
@@ -18,8 +19,9 @@ ELEM_TYPES = {EpDType.Bf16: "mori::bf16_t", EpDType.Fp32: "float", EpDType.Fp8: 
 
 
 class EpSpec(Spec):
-    """One kernel of the intranode EP op. ``kind`` is ``dispatch``, ``combine`` or ``layout`` (the
-    expert-major layout, launched after a dispatch with the dispatch's EpCfg)."""
+    """One kernel of the intranode EP op. ``kind`` is ``dispatch``, ``combine``, ``layout`` (the
+    expert-major layout, launched after a dispatch with the dispatch's EpCfg) or ``expert_sum`` (the
+    expert-major combine's local sum, on the combine's EpCfg)."""
 
     cfg_type = EpCfg
     args = EP_ARGS
@@ -49,8 +51,8 @@ class EpSpec(Spec):
                 f"{f'_c{cfg.expertCapacity}' if cfg.expertCapacity else ''}")
 
     def precompile_cfgs(self, toolchain: Toolchain) -> list[EpCfg]:
-        # a layout exists only for an op's config (mori-jit precompile --ep builds those)
-        return [] if self.kind == LAYOUT else super().precompile_cfgs(toolchain)
+        # a layout or an expert sum exists only for an op's config (mori-jit precompile --ep builds those)
+        return [] if self.kind in (LAYOUT, EXPERT_SUM) else super().precompile_cfgs(toolchain)
 
     def geometry(self, cfg: EpCfg) -> Geometry:
         # (only the dispatch has bulk-copy stages; a layout runs on the dispatch's EpCfg without them)
@@ -67,3 +69,4 @@ class EpSpec(Spec):
 EP_DISPATCH = register(EpSpec(DISPATCH))
 EP_COMBINE = register(EpSpec(COMBINE))
 EP_LAYOUT = register(EpSpec(LAYOUT))
+EP_EXPERT_SUM = register(EpSpec(EXPERT_SUM))

@@ -14,7 +14,8 @@ import torch
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from .kernel_cfg import COMBINE, DISPATCH, LAYOUT, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
+from .kernel_cfg import (COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType,
+                         EpIsValid, EpRangeTok, make_ep_cfg, region_bytes)
 from .config import EpDispatchCombineConfig
 from .op import gather_unquantized_gaps
 from .schedule import Schedule
@@ -80,18 +81,28 @@ class EpVariants:
     schedule: Schedule
     dispatch: tuple[EpCfg, ...]
     combine: tuple[EpCfg, ...]
+    #: per bucket, the combine of ``combine_expert_major`` (the expert layout only): the combine's
+    #: EpCfg moving float32 rows (the local sums), so the result is rounded once
+    expert_combine: tuple[EpCfg, ...] = ()
 
     def all_cfgs(self) -> list[tuple[str, EpCfg]]:
         """Distinct (kind, cfg) pairs — the set of binaries to compile (a dispatch with the
-        expert-major layout brings its layout kernel)."""
+        expert-major layout brings its layout kernel, and the combine its local sum)."""
         out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine]
-                            + [(LAYOUT, c) for c in self.dispatch if c.expertCapacity])
+                            + [(LAYOUT, c) for c in self.dispatch if c.expertCapacity]
+                            + [(EXPERT_SUM, c) for c in self.combine if self.expert_combine]
+                            + [(COMBINE, c) for c in self.expert_combine])
         return list(out)
+
+    def region_bytes(self) -> dict[str, int]:
+        """The arena's region sizes for these kernels (the expert-major combine moves float32 rows,
+        so its combine, where there is one, sizes the combine's receive side)."""
+        return region_bytes(self.dispatch[0], (self.expert_combine or self.combine)[0])
 
     def requests(self) -> list[tuple]:
         """The ``(spec, EpCfg)`` pairs to prepare: :meth:`all_cfgs` with each kind's spec."""
-        from .specs import EP_COMBINE, EP_DISPATCH, EP_LAYOUT
-        spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE, LAYOUT: EP_LAYOUT}
+        from .specs import EP_COMBINE, EP_DISPATCH, EP_EXPERT_SUM, EP_LAYOUT
+        spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE, LAYOUT: EP_LAYOUT, EXPERT_SUM: EP_EXPERT_SUM}
         return [(spec[kind], c) for kind, c in self.all_cfgs()]
 
 
@@ -193,7 +204,8 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
         if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
             raise ConfigError(f"combine lowLatency={c.lowLatency} from MORI_V2_EP_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")
-    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb)
+    expert = tuple(dataclasses.replace(c, dtype=EpDType.Fp32) for c in comb) if cfg.expert_capacity else ()
+    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb, expert)
 
 
 def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
