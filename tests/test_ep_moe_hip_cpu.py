@@ -189,6 +189,24 @@ def test_an_ep_cfg_refuses_a_layout_without_counts():
         EpCfg(expertCapacity=-1, expertCounts=True)
 
 
+def test_precompile_builds_every_moe_kernel_a_live_op_asks_for(fake_cc, capsys):
+    from mori_jit.cli import main
+    from mori_jit.jit import cache
+    from mori_jit.jit.compile import resolve
+
+    fields = dict(index_dtype=torch.int64, scale_dim=2, scale_type_size=4, expert_counts=True, expert_capacity=32,
+                  routing_replay=True)
+    tc = make_toolchain("sm_90a")
+    want = {resolve(spec, c, tc).path for spec, c in plan_requests(_cfg(**fields), "sm_90a", 132)}
+    args = [f"{k}={v}" for k, v in {**BASE, **fields}.items() if k != "rank"]
+    args = [a.replace("torch.int64", "int64").replace("=True", "=on") for a in args]
+    assert main(["precompile", "--arch", "sm_90a", "--ep", *args, "num_cus=132"]) == 0, capsys.readouterr().err
+    got = set(cache.list_entries())
+    assert got == want
+    names = {p.name.split(".")[1] for p in got}
+    assert {n.split("_")[2] for n in names} >= {"dispatch", "combine", "layout", "expert"}
+
+
 #: op configs with each feature on, as the real compilers build them (small shapes: fast builds), and
 #: the EpCfg field that feature sets; 4096 tokens at EP2 take the bulk-copy dispatch on sm_90a
 FEATURE_CFGS = {
