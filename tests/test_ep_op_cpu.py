@@ -104,10 +104,10 @@ def _gate_job(rank, ws):
     with pytest.raises(EpUnsupportedError) as e:
         EpDispatchCombineOp(cfg)
     msg = str(e.value)
-    for what in ("combine_mode='scatter'", "expert_capacity=16 (the expert-major layout)"):
-        assert what in msg, msg
+    assert "combine_mode='scatter'" in msg, msg
     # what the hip kernels do is not listed
-    for done in ("quant_type", "per-token scales", "index_dtype", "expert_counts=True", "routing_replay"):
+    for done in ("quant_type", "per-token scales", "index_dtype", "expert_counts", "expert_capacity",
+                 "routing_replay"):
         assert done not in msg, msg
     # the torch backend serves every MoE feature of that config: only the scatter combine is missing
     with pytest.raises(EpUnsupportedError) as e:
