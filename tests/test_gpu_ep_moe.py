@@ -316,3 +316,15 @@ def _hip_graph_job(rank, ws):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_hip_moe_features_in_a_graph_replay(ws):
     run_ep_job(_hip_graph_job, ws)
+
+
+def _hip_layer_job(rank, ws):
+    """The worked MoE block on the hip backend (every payload mode) against the dense block."""
+    for mode in MODES:
+        print(f"[rank {rank}] MoE block, {mode}", flush=True)
+        _layer_job(rank, ws, mode, "hip")
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_hip_moe_block_matches_the_dense_block(ws):
+    run_ep_job(_hip_layer_job, ws)
