@@ -60,7 +60,10 @@ MORI_DEVICE void EpLayoutBody(const EpArgs& args) {
     if (replay) {
       for (int i = wave; i < kEntries; i += waves) {
         const int e = i / kC, c = i % kC;
-        if (c >= counts[e]) continue;  // (wave-uniform)
+        if (c >= counts[e]) {  // (wave-uniform) padding keeps its maps; its weight stays 0
+          if (lane == 0) wts[i] = 0.f;
+          continue;
+        }
         const int r = recvRow[i];
         CopyEntry<kCfg>(args, r, i);
         if (lane == 0 && recvWts != nullptr) wts[i] = recvWts[r * kK + slotMap[i]];
