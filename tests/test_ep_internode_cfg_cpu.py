@@ -101,3 +101,22 @@ def _internode_gate_job(rank, ws, hip_version):
 @pytest.mark.parametrize("hip_version", ["6.4.0", None], ids=["amd", "nvidia"])
 def test_the_live_op_refuses_internode_before_allocating(hip_version):
     run_distributed(_internode_gate_job, 2, hip_version, timeout=120)
+
+
+def test_unverified_paths_name_internode_and_each_moe_option():
+    import torch
+
+    from mori_jit.ops.ep.unverified import unverified_paths
+
+    assert unverified_paths(_cfg()) == []  # the intranode op without MoE options has passed the GPU suite
+    assert unverified_paths(_cfg(gpu_per_node=1)) == [
+        "internode on NVSHMEM (gpu_per_node=1 < world_size=2, internode_kernel='auto')"]
+    assert unverified_paths(_cfg(index_dtype=torch.int64, expert_counts=True)) == [
+        "the MoE-layer options in the JIT kernels (index_dtype=torch.int64, expert_counts=True)"]
+
+
+def test_internode_refuses_the_moe_options_by_name():
+    gaps = hip_gaps(_cfg(gpu_per_node=1, routing_replay=True, scale_dim=2, scale_type_size=4), "sm_90a")
+    assert ("the MoE-layer options on the internode kernels (scale_dim=2, scale_type_size=4, routing_replay=True): "
+            "intranode only") in gaps, gaps
+    assert not any("MoE" in g for g in hip_gaps(_cfg(routing_replay=True), "sm_90a"))

@@ -67,7 +67,7 @@ def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
     assert set(WAIT_MESSAGES) == set(WaitId)
     # the values are an ABI between kernels, host and recorded benchmark data
     assert [int(w) for w in WaitId] == [1, 2, 3, 4]
-    assert [int(c) for c in ErrCode] == [int.from_bytes(c, "big") for c in (b"MORI", b"SHOR", b"PSHR")]
+    assert [int(c) for c in ErrCode] == [int.from_bytes(c, "big") for c in (b"MORI", b"SHOR", b"PSHR", b"CAPA")]
     assert len(XdbRow) * EP_MAX_PEERS * 8 == region_bytes(EpCfg(worldSize=2), EpCfg(worldSize=2))["xdb"]
     assert max(Stamp) < EP_STAMP_WORDS and len(set(Stamp)) == len(Stamp.__members__)
 
@@ -101,6 +101,9 @@ def test_device_errors_decode_to_which_wait_which_rank_which_peer():
     msg = decode_error(peer_short, 1)
     assert "rank 1: rank 0's combine input was short" in msg and "(first reported at token 38)" in msg and "is wrong" in msg
     assert "unknown device error" in decode_error([5, 0, 0, 0], 0)
+    capacity = decode_error([0x43415041, (3 << 32) | (2 << 16), (70 << 32) | 64, 0], 2)
+    assert "rank 2: local expert 3 received 70 (token, expert) pairs, more than expert_capacity=64" in capacity
+    assert "raise expert_capacity to at least 70" in capacity
 
 
 def test_choosing_the_torch_backend_imports_no_jit_runtime():

@@ -1,7 +1,7 @@
 """The worked MoE block (``mori_jit.ops.ep.moe``) on the torch backend (gloo, 2 and 4 ranks) against the
 same block run densely on one process, for bf16 rows, fp8 rows the op casts, and fp8 rows with the
 block's own UE8M0 scales; and its expert step, free of host syncs. (The jobs are device-generic:
-``test_gpu_ep_moe.py`` runs them on NCCL.)"""
+``test_gpu_ep_moe.py`` runs them on NCCL, and on the ``hip`` backend.)"""
 from __future__ import annotations
 
 import pytest
@@ -50,11 +50,11 @@ def _dense(x, weights, ids, w_up, w_down, scale_type_size):
     return y
 
 
-def _layer_job(rank, ws, mode):
+def _layer_job(rank, ws, mode, backend="torch"):
     fields, sts = MODES[mode]
     cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=H, max_num_inp_token_per_rank=M,
                                   num_experts_per_rank=EPR, num_experts_per_token=K, index_dtype=torch.int64,
-                                  expert_counts=True, expert_capacity=ws * M, kernel_backend="torch", **fields)
+                                  expert_counts=True, expert_capacity=ws * M, kernel_backend=backend, **fields)
     gate, w_up, w_down = _model(ws)
     mine = slice(rank * EPR, (rank + 1) * EPR)
     gen = torch.Generator().manual_seed(77 + rank)

@@ -44,16 +44,32 @@ def test_quantize_matches_the_plain_torch_formula_bit_for_bit(scale_type_size):
 def test_hand_computed_blocks():
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     x[0, 0], x[0, 1], x[0, 2] = 448.0, -224.0, 1.0  # block 0: amax 448, scale 1, values exact
-    x[0, 128] = 448.0 * 3  # block 1: amax 1344, scale 3 (float32), 4 (UE8M0)
+    x[0, 128] = 448.0 * 3  # block 1: amax 1344, scale ~3 (float32), 4 (UE8M0)
     q, s = quantize(x, SPEC, 4)
-    assert s.tolist() == [[1.0, 3.0]]
+    inv448 = torch.tensor(1.0) / torch.tensor(448.0)  # 1344 * fl32(1/448) is 3 + 1 ulp (see below)
+    assert s[0, 0].item() == 1.0 and s[0, 1].item() == (torch.tensor(1344.0) * inv448).item() != 3.0
     assert q[0, :3].float().tolist() == [448.0, -224.0, 1.0] and q[0, 128].float().item() == 448.0
     q1, s1 = quantize(x, SPEC, 1)
     assert s1.view(torch.uint8).tolist() == [[127, 129]]  # 2**0, 2**2
     assert scale_values(s1).tolist() == [[1.0, 4.0]]
     assert q1[0, 128].float().item() == 320.0  # 1344 / 4 = 336, halfway between 320 and 352: ties to even
     z, zs = quantize(torch.zeros(2, 128, dtype=torch.bfloat16), SPEC, 4)
-    assert torch.equal(zs, torch.full((2, 1), 1e-4) / 448.0) and not bool(z.float().any())  # finite, zeros
+    assert torch.equal(zs, torch.full((2, 1), 1e-4) * inv448) and not bool(z.float().any())  # finite, zeros
+
+
+def test_the_scale_is_amax_times_the_float32_reciprocal_of_448_on_every_device():
+    """torch on CUDA computes ``amax / 448.0`` as ``amax * fl32(1/448)`` (a CPU scalar divisor), the
+    CPU divides: amax 3 is one where they differ in the last bit. The definition is the product
+    (what DeepGEMM's formula gives on a GPU), so the scales do not depend on the device."""
+    inv448 = torch.tensor(1.0) / torch.tensor(448.0)
+    three = torch.tensor([3.0])
+    assert not torch.equal(three / 448.0, three * inv448)  # (the case this test is about)
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    x[0, 0], x[0, 1] = 3.0, -1.5
+    q, s = quantize(x, SPEC, 4)
+    assert s.view(torch.int32).item() == (three * inv448).view(torch.int32).item()
+    gq, gs = golden_quantize(x, 4)
+    assert torch.equal(_bytes(s), _bytes(gs)) and torch.equal(_bytes(q), _bytes(gq))
 
 
 @pytest.mark.parametrize("scale_type_size", [4, 1])

@@ -108,8 +108,6 @@ _EP = ["world_size=2", "hidden_dim=2048", "max_num_inp_token_per_rank=64", "num_
 
 @pytest.mark.parametrize("extra,fragments", [
     (["num_experts_per_token=8"], ["num_experts_per_token=8: more than the 4 experts"]),
-    (["num_experts_per_token=2", "scale_dim=4", "scale_type_size=4"],
-     ["the hip op does not support: per-token scales (scale_dim=4"]),
     (["num_experts_per_token=2", "combine_mode=scatter"], ["the hip op does not support: combine_mode='scatter'"]),
     (["num_experts_per_token=2", "num_cus=0"], ["num_cus=0: expected the device's CU/SM count, an int >= 1"]),
     (["num_experts_per_token=2", "num_cus=-4"], ["num_cus=-4"]),

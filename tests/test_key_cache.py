@@ -61,6 +61,10 @@ def test_every_cfg_field_changes_the_key(fake_cc, spec_name, cfg_type):
     bases = [spec.make_cfg(tc, {})]
     if cfg_type is AxpyCfg:
         bases.append(AxpyCfg(vecElems=4))  # dtype can only flip where both dtypes are valid
+    if cfg_type is EpCfg:  # the scale fields, the fp8 cast and the layout change only beside others
+        from mori_jit.ops.ep.kernel_cfg import EpDType
+        bases.append(dataclasses.replace(bases[0], dtype=EpDType.Fp8, scaleDim=bases[0].hiddenDim // 128,
+                                         scaleTypeSize=4, expertCounts=True))
     keys_seen = {resolve(spec, bases[0], tc, fresh_include_hash=True).key}
     for fi in cfg_fields(cfg_type):
         if spec_name == "ep_combine" and fi.name == "dtype":

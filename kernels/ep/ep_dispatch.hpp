@@ -1,6 +1,7 @@
 // EP dispatch kernel body (see ep_intranode.hpp for the protocol).
 #pragma once
 #include "ep/ep_common.hpp"
+#include "ep/ep_quant.hpp"
 
 namespace mori::ep {
 
@@ -28,6 +29,37 @@ struct DispatchRound {
   float weight[kTok * kK];
 };
 
+// Expert id i of the input. An int64 id outside [0, numExperts) reads as -1 (compared before
+// narrowing, so no large id aliases a valid one); int32 ids are read as they are.
+template <EpCfg kCfg>
+MORI_DEVICE int LoadExpertId(const EpArgs& args, int i) {
+  if constexpr (kCfg.ids64) {
+    const int64_t v = reinterpret_cast<const int64_t*>(args.inpIndices)[i];
+    return v >= 0 && v < EpNumExperts(kCfg) ? int(v) : -1;
+  } else {
+    return args.inpIndices[i];
+  }
+}
+
+// expertCounts: this block's valid slots per expert (all ranks' experts), in shared memory; zeroed at
+// the kernel's start, added to by the claim, flushed to the destinations' counters by FlushExpertTally.
+template <EpCfg kCfg>
+MORI_DEVICE int* ExpertTally() {
+  __shared__ int tally[EpNumExperts(kCfg)];
+  return tally;
+}
+
+// The block's tally added to each expert's rank's parity counter (expert_adds), one system-scope
+// atomic per expert the block's slots named. Before the block's done count (its fence orders them).
+template <EpCfg kCfg>
+MORI_DEVICE void FlushExpertTally(const EpArgs& args, int parity) {
+  constexpr int kE = kCfg.numExpertPerRank;
+  __syncthreads();
+  int* tally = ExpertTally<kCfg>();
+  for (int e = threadIdx.x; e < EpNumExperts(kCfg); e += blockDim.x)
+    if (tally[e] > 0) plat::atomic_add_system(At<int>(args, e / kE, args.off_expert_adds) + parity * kE + e % kE, tally[e]);
+}
+
 // Phase 1 of dispatch: claim a receive slot on every destination of the round's tokens (owned
 // indices r0 .. r0 + num) and record pe*maxRecv + slot in the forward map (tok_off, for combine) and
 // in the round's shared routing. A pass covers kW / kK tokens per wave; the block sums its waves'
@@ -50,7 +82,7 @@ MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, Dis
     int pe = -1, expert = -1;
     float weight = 0.f;
     if (active) {
-      expert = args.inpIndices[t * kK + j];
+      expert = LoadExpertId<kCfg>(args, t * kK + j);
       if (withWeights) weight = args.inpWeights[t * kK + j];
       if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
     }
@@ -85,7 +117,24 @@ MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, Dis
       round.flat[li * kK + j] = flat;
       round.expert[li * kK + j] = expert;
       round.weight[li * kK + j] = weight;
+      if constexpr (kCfg.expertCounts)
+        if (pe >= 0) plat::atomic_add_shared(ExpertTally<kCfg>() + expert, 1);  // every valid slot, duplicates too
     }
+  }
+  __syncthreads();  // the round's routing is visible to all the block's waves
+}
+
+// A replay's phase 1 (routingReplay, args.replay): the round's routing is the latest dispatch's
+// forward map, and the weights the new ones; nothing is claimed, no id is read.
+template <EpCfg kCfg>
+MORI_DEVICE void LoadRoute(const EpArgs& args, int r0, int num, DispatchRound<kCfg>& round) {
+  constexpr int kK = kCfg.numExpertPerToken;
+  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
+  const int* tokOff = At<int>(args, args.rank, args.off_tok_off);
+  for (int i = threadIdx.x; i < num * kK; i += blockDim.x) {
+    const int t = OwnedToken<kCfg>(r0 + i / kK), j = i % kK;
+    round.flat[i] = tokOff[t * kK + j];
+    if (withWeights) round.weight[i] = args.inpWeights[t * kK + j];
   }
   __syncthreads();  // the round's routing is visible to all the block's waves
 }
@@ -111,11 +160,34 @@ MORI_DEVICE void StoreTokenMeta(const EpArgs& args, const DispatchRound<kCfg>& r
   constexpr int kK = kCfg.numExpertPerToken;
   const int lane = plat::lane_id();
   if (lane >= kK) return;
-  At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
+  if (!(kCfg.routingReplay && args.replay)) {  // (a replay: the ids are there from the dispatch it replays)
+    if constexpr (kCfg.ids64)  // the source's own id, out-of-range values included
+      At<int64_t>(args, pe, args.off_out_idx)[slot * kK + lane] = reinterpret_cast<const int64_t*>(args.inpIndices)[t * kK + lane];
+    else
+      At<int>(args, pe, args.off_out_idx)[slot * kK + lane] = round.expert[li * kK + lane];
+  }
   if (withWeights) At<float>(args, pe, args.off_out_wts)[slot * kK + lane] = round.weight[li * kK + lane];
   if (lane == 0) {
     At<int>(args, pe, args.off_recv_to_src)[slot] = args.rank * kCfg.maxTokPerRank + t;
     At<uint64_t>(args, pe, args.off_src_to_recv)[args.rank * kCfg.maxTokPerRank + t] = (target << 32) | uint32_t(slot);
+  }
+}
+
+// The scale words of kCfg.scaleTypeSize bytes (the scales are moved, never read as numbers).
+template <int kBytes> struct ScaleWordOf;
+template <> struct ScaleWordOf<1> { using type = uint8_t; };
+template <> struct ScaleWordOf<2> { using type = uint16_t; };
+template <> struct ScaleWordOf<4> { using type = uint32_t; };
+template <> struct ScaleWordOf<8> { using type = uint64_t; };
+
+// Token t's per-token scales to (pe, slot), by the wave (nothing without scales).
+template <EpCfg kCfg>
+MORI_DEVICE void StoreTokenScales(const EpArgs& args, int t, int pe, int slot) {
+  if constexpr (kCfg.scaleDim > 0 && !kCfg.quantFp8Block128) {  // (quantized: the copy stores its own)
+    using S = typename ScaleWordOf<kCfg.scaleTypeSize>::type;
+    const S* src = static_cast<const S*>(args.inpScales) + size_t(t) * kCfg.scaleDim;
+    S* dst = At<S>(args, pe, args.off_out_scales) + size_t(slot) * kCfg.scaleDim;
+    for (int i = plat::lane_id(); i < kCfg.scaleDim; i += kCfg.waveSize) dst[i] = src[i];
   }
 }
 
@@ -199,6 +271,23 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     for (int u = 0; u < kUnroll; ++u)
       if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
   };
+  // quantFp8Block128: a chunk of a bf16 input row (twice the output's bytes) becomes its fp8
+  // vectors and, per block, the scale word (kept by the block's lanes; every lane calls it).
+  [[maybe_unused]] auto loadQuantChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll], uint32_t (&scale)[kUnroll]) {
+    const int v0 = chunk * kChunkVecs + lane;
+    const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
+                                                          size_t(t) * EpTokenBytes(kCfg) * 2);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      vec16_t lo{}, hi{};
+      if (v0 + u * kW < kVecs) {
+        lo = plat::load_stream(src + 2 * (v0 + u * kW));
+        hi = plat::load_stream(src + 2 * (v0 + u * kW) + 1);
+      }
+      const float sf = BlockScale<kCfg.scaleTypeSize>(BlockMax(AbsMax16(lo, hi)), scale[u]);
+      buf[u] = QuantizeVec(lo, hi, 1.0f / sf);
+    }
+  };
   // Before the first store into a peer's arena: the peer has finished its last combine, which may
   // still read rows there. Threads of the last wave wait (normally one load) while the first ones
   // claim; the claim's closing barrier orders the wait before every copy.
@@ -206,6 +295,8 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     const int pe = threadIdx.x - (blockDim.x - kWs);
     WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + pe, CombEpoch(args) * kDoneUnit, kWaitCombineDone, pe);
   }
+  if constexpr (kCfg.expertCounts)  // (the claim's first barrier orders this before any add)
+    for (int e = threadIdx.x; e < EpNumExperts(kCfg); e += blockDim.x) ExpertTally<kCfg>()[e] = 0;
   __shared__ DispatchRound<kCfg> round;
   const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
   // (`if constexpr` around its calls: a wave-only binary never instantiates a zero-stage BulkRows)
@@ -216,14 +307,21 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     // Work items of the round: the chunks of its tokens, over the block's waves.
     const int num = owned - r0 < DispatchRound<kCfg>::kTok ? owned - r0 : DispatchRound<kCfg>::kTok, numItems = num * kChunks;
     vec16_t buf[kUnroll];
+    [[maybe_unused]] uint32_t scale[kUnroll];  // (quantFp8Block128: each vector's block scale word)
     if (bulkBlock) {
       if constexpr (kCfg.bulkMinTokens > 0)
         if (threadIdx.x == 0) bulk.Prefetch(args, r0, num);
-    } else if (wave < numItems) {
-      loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);  // overlaps the claim
+    } else if (wave < numItems) {  // overlaps the claim
+      if constexpr (kCfg.quantFp8Block128)
+        loadQuantChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf, scale);
+      else
+        loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);
     }
 
-    ClaimSlots<kCfg>(args, parity, r0, num, round);
+    if (kCfg.routingReplay && args.replay)
+      LoadRoute<kCfg>(args, r0, num, round);
+    else
+      ClaimSlots<kCfg>(args, parity, r0, num, round);
     if (r0 == 0 && blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
 
     if (bulkBlock) {
@@ -232,26 +330,45 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
       constexpr int kMetaWaves = kCfg.warpPerBlock > 1 ? kCfg.warpPerBlock - 1 : 1;  // wave 0 holds thread 0
       for (int li = wave - (kCfg.warpPerBlock - kMetaWaves); li >= 0 && li < num; li += kMetaWaves) {
         const int t = OwnedToken<kCfg>(r0 + li);
-        ForEachDest<kCfg>(round, li, [&](int pe, int slot) { StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights); });
+        ForEachDest<kCfg>(round, li, [&](int pe, int slot) {
+          StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
+          StoreTokenScales<kCfg>(args, t, pe, slot);
+        });
       }
       continue;
     }
     for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
       const int li = item / kChunks, t = OwnedToken<kCfg>(r0 + li), chunk = item % kChunks;
       const int v0 = chunk * kChunkVecs + lane;
-      if (item != wave) loadChunk(t, chunk, buf);
+      if (item != wave) {
+        if constexpr (kCfg.quantFp8Block128)
+          loadQuantChunk(t, chunk, buf, scale);
+        else
+          loadChunk(t, chunk, buf);
+      }
       ForEachDest<kCfg>(round, li, [&](int pe, int slot) {
         vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
           if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
-        if (chunk == 0) StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);  // with the first chunk
+        if constexpr (kCfg.quantFp8Block128) {  // a block's first lane stores its scale
+          using S = typename ScaleWordOf<kCfg.scaleTypeSize>::type;
+          S* dstScale = At<S>(args, pe, args.off_out_scales) + size_t(slot) * kCfg.scaleDim;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (v0 + u * kW < kVecs && (v0 + u * kW) % kQuantLanes == 0) dstScale[(v0 + u * kW) / kQuantLanes] = S(scale[u]);
+        }
+        if (chunk == 0) {  // with the first chunk
+          StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
+          StoreTokenScales<kCfg>(args, t, pe, slot);
+        }
       });
     }
   }
 
   if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
   if (bulkBlock && threadIdx.x == 0) plat::bulk_wait_stores();  // before the fence that publishes the rows
+  if constexpr (kCfg.expertCounts) FlushExpertTally<kCfg>(args, parity);
   // Every block tells every rank (this one too) that its rows are there: once the block's stores
   // are visible system-wide, one relaxed add per rank (block 0 first publishes this rank's token
   // count), its share of kDoneUnit (BlockShare). No block waits for another before its news leaves.
@@ -271,10 +388,22 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target * kDoneUnit, kWaitDispatchDone,
                 threadIdx.x);
   __syncthreads();
+  // (a replay claimed nothing: the dispatch's counts and total_recv stand)
+  const bool replay = kCfg.routingReplay && args.replay;
+  if constexpr (kCfg.expertCounts) {  // every rank's adds for this epoch are in: publish, reset (as recv_num)
+    constexpr int kE = kCfg.numExpertPerRank;
+    int* adds = At<int>(args, rank, args.off_expert_adds) + parity * kE;
+    int* counts = At<int>(args, rank, args.off_expert_counts);
+    for (int e = threadIdx.x; e < kE && !replay; e += blockDim.x) {
+      counts[e] = plat::load_volatile(adds + e);
+      adds[e] = 0;
+      if constexpr (kCfg.expertCapacity > 0) At<unsigned>(args, rank, args.off_exp_cursor)[e] = 0;  // (the layout's)
+    }
+  }
   if (threadIdx.x == 0) {
     StampAt(args, kStDispPeersDone);
     int* recvNum = At<int>(args, rank, args.off_recv_num);
-    *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
+    if (!replay) *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
     // A peer next claims on this counter two epochs on: only after it has counted this rank's
     // next dispatch done, which follows this reset.
     recvNum[parity] = 0;

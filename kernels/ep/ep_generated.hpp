@@ -12,7 +12,7 @@ enum CombWord : uint32_t { kEmptyWord = 0xffffffff, kShortWord = 0xfffffffe, kCa
 // Which spin-wait timed out (the high bits of the error detail word).
 enum WaitId : uint64_t { kWaitDispatchDone = 1, kWaitCombineDone = 2, kWaitCombineRange = 3, kWaitCombineRows = 4 };
 // Device error codes (word 0 of the host-mapped error words; 0 = no error).
-enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52, kErrPeerShortInput = 0x50534852 };
+enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52, kErrPeerShortInput = 0x50534852, kErrCapacity = 0x43415041 };
 // Rows of the cross-device `xdb` region, each indexed by the writing rank.
 enum XdbRow : int { kXdbDispatch = 0, kXdbCombine = 1, kXdbNumTok = 2 };
 // Words of the local `sync` region (u64, kernel-only; a claim counter is two, by epoch parity).
@@ -37,6 +37,13 @@ struct EpCfg {
   int vecUnroll = 4;
   bool lowLatency = false;
   int bulkMinTokens = 0;
+  bool ids64 = false;
+  int scaleDim = 0;
+  int scaleTypeSize = 0;
+  bool expertCounts = false;
+  bool routingReplay = false;
+  bool quantFp8Block128 = false;
+  int expertCapacity = 0;
 };
 
 // bytes per payload element
@@ -58,12 +65,12 @@ constexpr int EpBulkSmemBytes(const EpCfg& c) { return (EpBulkStages(c) * EpToke
 // the dtype can be reduced (combine leg)
 constexpr bool EpSummable(const EpCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the kernels can be built and are correct for this config
-constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (EpBulkSmemBytes(c) <= 196608)); }
+constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (((c.scaleDim == 0) && (c.scaleTypeSize == 0)) || ((c.scaleDim >= 1) && ((((c.scaleTypeSize == 1) || (c.scaleTypeSize == 2)) || (c.scaleTypeSize == 4)) || (c.scaleTypeSize == 8))))) && ((!c.quantFp8Block128) || (((((c.dtype == EpDType::Fp8) && ((c.hiddenDim % 128) == 0)) && (c.scaleDim == (c.hiddenDim / 128))) && ((c.scaleTypeSize == 4) || (c.scaleTypeSize == 1))) && (c.bulkMinTokens == 0)))) && ((c.expertCapacity == 0) || ((c.expertCapacity >= 1) && c.expertCounts))) && ((!c.expertCounts) || (EpNumExperts(c) <= 2048))) && (EpBulkSmemBytes(c) <= 196608)); }
 
 struct EpArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]
   const float* inpWeights;  // dispatch: weights [n, k]; combine: weights [>=recv, k] or null
-  const int32_t* inpIndices;  // dispatch: expert ids [n, k]
+  const int32_t* inpIndices;  // dispatch: expert ids [n, k] (int64 with ids64)
   void* outTok;  // combine: y [n, H]
   float* outWeights;  // combine: y_w [n, k] or null
   uint64_t* errWord;  // host-mapped error words [4]: code, detail (0 = ok)
@@ -74,7 +81,7 @@ struct EpArgs {
   uint64_t peerBase[8];  // arena base address of every rank, by rank
   uint64_t off_disp_out;  // received token rows [maxRecv, tokenBytes] (written by peers)
   uint64_t off_out_wts;  // received weights [maxRecv, k] f32 (written by peers)
-  uint64_t off_out_idx;  // received expert ids [maxRecv, k] i32 (written by peers)
+  uint64_t off_out_idx;  // received expert ids [maxRecv, k] i32 (i64 with ids64) (written by peers)
   uint64_t off_recv_to_src;  // reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)
   uint64_t off_tok_off;  // forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)
   uint64_t off_recv_num;  // slot counters [2] i32, by epoch parity (peers add atomically)
@@ -86,6 +93,17 @@ struct EpArgs {
   uint64_t off_xdb;  // cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count
   uint64_t off_sync;  // local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim
   uint64_t off_stamps;  // phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)
+  uint64_t off_out_scales;  // received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales
+  uint64_t off_expert_adds;  // received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts
+  uint64_t off_expert_counts;  // the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts
+  uint64_t off_exp_cursor;  // expert-major layout: next entry per local expert [numExpertPerRank] u32 (local; the dispatch zeroes it, the layout kernel claims); none without expertCapacity
+  uint64_t off_exp_x;  // expert-major layout: rows [numExpertPerRank, expertCapacity, tokenBytes] (local)
+  uint64_t off_exp_scales;  // expert-major layout: scales [numExpertPerRank, expertCapacity, scaleDim * scaleTypeSize bytes] (local)
+  uint64_t off_exp_wts;  // expert-major layout: each entry's top-k weight [numExpertPerRank, expertCapacity] f32, 0 on padding (local)
+  uint64_t off_exp_maps;  // expert-major layout: receive row, source (srcRank*M + srcTok), top-k slot [3, numExpertPerRank, expertCapacity] i32, -1 on padding (local)
+  uint64_t off_exp_entry;  // expert-major layout: the entry e*expertCapacity + c of each received (row, top-k slot) [maxRecv, k] i32, -1 for none (local)
+  const void* inpScales;  // dispatch: per-token scales [n, scaleDim] of scaleTypeSize bytes, or null
+  int32_t replay;  // dispatch (routingReplay): 1 = move the payload along the latest dispatch's routing
 };
 static_assert(offsetof(EpArgs, inpTok) == 0, "EpArgs.inpTok moved");
 static_assert(offsetof(EpArgs, inpWeights) == 8, "EpArgs.inpWeights moved");
@@ -112,7 +130,18 @@ static_assert(offsetof(EpArgs, off_comb_flags) == 216, "EpArgs.off_comb_flags mo
 static_assert(offsetof(EpArgs, off_xdb) == 224, "EpArgs.off_xdb moved");
 static_assert(offsetof(EpArgs, off_sync) == 232, "EpArgs.off_sync moved");
 static_assert(offsetof(EpArgs, off_stamps) == 240, "EpArgs.off_stamps moved");
-static_assert(sizeof(EpArgs) == 248, "EpArgs size changed");
+static_assert(offsetof(EpArgs, off_out_scales) == 248, "EpArgs.off_out_scales moved");
+static_assert(offsetof(EpArgs, off_expert_adds) == 256, "EpArgs.off_expert_adds moved");
+static_assert(offsetof(EpArgs, off_expert_counts) == 264, "EpArgs.off_expert_counts moved");
+static_assert(offsetof(EpArgs, off_exp_cursor) == 272, "EpArgs.off_exp_cursor moved");
+static_assert(offsetof(EpArgs, off_exp_x) == 280, "EpArgs.off_exp_x moved");
+static_assert(offsetof(EpArgs, off_exp_scales) == 288, "EpArgs.off_exp_scales moved");
+static_assert(offsetof(EpArgs, off_exp_wts) == 296, "EpArgs.off_exp_wts moved");
+static_assert(offsetof(EpArgs, off_exp_maps) == 304, "EpArgs.off_exp_maps moved");
+static_assert(offsetof(EpArgs, off_exp_entry) == 312, "EpArgs.off_exp_entry moved");
+static_assert(offsetof(EpArgs, inpScales) == 320, "EpArgs.inpScales moved");
+static_assert(offsetof(EpArgs, replay) == 328, "EpArgs.replay moved");
+static_assert(sizeof(EpArgs) == 336, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

@@ -59,9 +59,11 @@
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.
 //
-// Files: ep_dispatch.hpp and ep_combine.hpp hold the two kernel bodies, ep_common.hpp what they share.
+// Files: ep_dispatch.hpp and ep_combine.hpp hold the two kernel bodies, ep_common.hpp what they share;
+// ep_layout.hpp the expert-major layout's (launched after a dispatch), ep_quant.hpp the fp8 cast.
 // The combine's parts: ep_combine_words.hpp (ranges, flags and signal words, which both sides of a
 // row agree on), ep_combine_sender.hpp (the pushes) and ep_combine_summer.hpp (the waits and sums).
 #pragma once
 #include "ep/ep_combine.hpp"
 #include "ep/ep_dispatch.hpp"
+#include "ep/ep_layout.hpp"

@@ -12,7 +12,7 @@ enum NetWaitId : int { kNetWaitPeerCombine = 11, kNetWaitPeerSlots = 12, kNetWai
 // Rows of the `signals` region: one u64 word per writing rank in each row.
 enum NetSignal : int { kSigDispDone = 0, kSigSlotsFree = 1, kSigCombDone = 2, kSigRelayFree = 3, kSigFwdDone = 4, kSigCombFwdDone = 5 };
 // Device error codes (word 0 of the host-mapped error words; 0 = no error).
-enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52, kErrPeerShortInput = 0x50534852 };
+enum ErrCode : uint64_t { kErrTimeout = 0x4d4f5249, kErrShortInput = 0x53484f52, kErrPeerShortInput = 0x50534852, kErrCapacity = 0x43415041 };
 // How far a done counter moves per epoch.
 enum FlagUnit : uint64_t { kDoneUnit = 0x100000 };
 

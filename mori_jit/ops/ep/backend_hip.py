@@ -19,10 +19,14 @@ from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from .arena import SymmArena
-from .kernel_cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, CombWord, EpMaxRecv, ErrCode, FlagUnit,
-                  WaitId, region_bytes)
+from .kernel_cfg import (COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, LAYOUT, CombWord, EpMaxRecv, ErrCode, FlagUnit,
+                  WaitId)
 from .config import EpDispatchCombineConfig
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
+from .backend_hip_moe import ExpertLayouts, ScaleViews, expert_major_combine
+from .quant import ue8m0_dtype
+from .results import EpCapacityError
+from .unverified import unverified_paths
 from .variants import ep_variants, hip_gaps
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSAGES", "decode_error"]
@@ -34,7 +38,7 @@ WAIT_MESSAGES = {WaitId.kWaitDispatchDone: "dispatch: waiting for a peer's dispa
                  WaitId.kWaitCombineRows: "combine (low latency): waiting for a peer's row of a token (its words "
                                           "never arrived)"}
 # Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots and weights).
-_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync")
+_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync", "expert_adds", "exp_cursor")
 # Low latency: regions whose every 32-bit word starts as CombWord.kEmptyWord (filled with this byte),
 # and the weights, which carry an epoch.
 _EMPTY_REGIONS, _EPOCH_REGIONS = ("comb_recv",), ("comb_recv_wts",)
@@ -69,6 +73,11 @@ def decode_error(words: list[int], rank: int) -> str:
     if code == ErrCode.kErrShortInput:
         return (f"rank {(detail >> 16) & 0xFFFF}: combine input had {extra & 0xFFFFFFFF} rows but dispatch "
                 f"received {extra >> 32}; the missing rows were not combined")
+    if code == ErrCode.kErrCapacity:
+        who, expert, count, cap = (detail >> 16) & 0xFFFF, detail >> 32, extra >> 32, extra & 0xFFFFFFFF
+        return (f"rank {who}: local expert {expert} received {count} (token, expert) pairs, more than "
+                f"expert_capacity={cap}; the expert-major layout holds the first {cap} (the receive rows and the "
+                f"counts are whole); raise expert_capacity to at least {count}")
     if code == ErrCode.kErrPeerShortInput:
         who, peer = (detail >> 16) & 0xFFFF, detail >> 32
         # (a range flag reports its range's first token, the low-latency path the token itself)
@@ -128,6 +137,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
         missing = hip_gaps(cfg)  # (shared with mori-jit precompile --ep)
+        if not knobs.ep.unverified:
+            missing += [f"{p}: built, not yet verified on a GPU (MORI_EP_UNVERIFIED=1 runs it)"
+                        for p in unverified_paths(cfg)]
         if not torch.cuda.is_available():
             missing.append("a CUDA/ROCm device (none visible)")
         elif cfg.is_internode and not missing:
@@ -152,7 +164,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             self._variants = net_variants(cfg, self._toolchain.arch, self._num_cus, self.ranks_per_device)
             return net_regions(self._variants)
         self._variants = ep_variants(cfg, self._toolchain.arch, self._num_cus, self.ranks_per_device)
-        return region_bytes(self._variants.dispatch[0], self._variants.combine[0])
+        return self._variants.region_bytes()
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
         assert arena is not None
@@ -170,6 +182,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         build_many(requests, tc)  # misses compile in parallel; loading stays on this thread (its context)
         plans = {(spec.kind, c): prepare(spec, c, tc, dev) for spec, c in requests}
         disp_plans = [plans[(DISPATCH, c)] for c in var.dispatch]
+        layout_plans = [plans[(LAYOUT, c)] for c in var.dispatch] if cfg.expert_capacity else []
         comb_plans = [plans[(COMBINE, c)] for c in var.combine]
 
         err = torch.zeros(4, dtype=torch.int64, pin_memory=True)  # host-mapped: read without a sync
@@ -183,16 +196,38 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         for name in EP_REGIONS:
             setattr(base, f"off_{name}", arena.offsets[name])
         dargs, cargs = EP_ARGS.ctype.from_buffer_copy(base), EP_ARGS.ctype.from_buffer_copy(base)
+        largs = EP_ARGS.ctype.from_buffer_copy(base)  # the layout kernel's (after each dispatch)
         # one args struct per leg, rewritten per call; each variant's launch is bound to it
         disp_launch = [p.bind_struct(dargs) for p in disp_plans]
         comb_launch = [p.bind_struct(cargs) for p in comb_plans]
+        layout_launch = [p.bind_struct(largs) for p in layout_plans]
 
         cap, hidden, k = EpMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
         out = arena.view("disp_out", cfg.dispatch_dtype, (cap, hidden))
         out_w = arena.view("out_wts", torch.float32, (cap, k))
-        out_idx = arena.view("out_idx", torch.int32, (cap, k))
+        out_idx = arena.view("out_idx", cfg.index_dtype, (cap, k))
         recv_src = arena.view("recv_to_src", torch.int32, (cap,))
         total_recv = arena.view("total_recv", torch.int32, (1,))
+        made = None  # the dtype of the scales the kernels make (in-op quantization)
+        if cfg.quant_type not in (None, "none"):
+            made = torch.float32 if cfg.scale_type_size == 4 else ue8m0_dtype()
+        scale_views = ScaleViews(arena, cap, cfg.scale_dim, made)
+        counts = arena.view("expert_counts", torch.int32, (cfg.num_experts_per_rank,)) if cfg.expert_counts else None
+        layouts = ExpertLayouts(arena, cfg) if cfg.expert_capacity else None
+        out_w_ptr = out_w.data_ptr()
+
+        def moe_outputs(v, out_s, weights, replay):
+            # EpDispatchResult's last two: the local expert counts and the expert-major layout, which
+            # the layout kernel builds (a replay: refills) from the received rows
+            if counts is None:
+                return None
+            if layouts is None:
+                return counts, None
+            largs.inpWeights = out_w_ptr if weights is not None else 0  # (the received weights)
+            largs.replay = replay
+            layout_launch[v]()
+            return counts, layouts.of(out_s, weights is not None)
+
         inp_buffer = None  # get_combine_input_buffer(): allocated on first use (only this rank reads it)
 
         given = arena.tensor.data_ptr()  # (see _weights_ptr)
@@ -202,9 +237,26 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             dargs.inpWeights = _weights_ptr(weights, given)
             dargs.inpIndices = indices.data_ptr()
             dargs.numTokens = x.shape[0]
+            dargs.inpScales = scales.data_ptr() if scales is not None else 0
             disp_launch[v]()
-            return (out, out_w if weights is not None else None, None, out_idx, total_recv,
-                    HipRouting(x.shape[0], recv_src, total_recv))
+            out_s = scale_views.of(scales)
+            return (out, out_w if weights is not None else None, out_s, out_idx, total_recv,
+                    HipRouting(x.shape[0], recv_src, total_recv), moe_outputs(v, out_s, weights, 0))
+
+        def replay(v, x, weights, scales, routing):
+            # the dispatch's launch with the replay flag: the rows go where routing's dispatch put them
+            dargs.inpTok = x.data_ptr()
+            dargs.inpWeights = _weights_ptr(weights, given)
+            dargs.numTokens = x.shape[0]
+            dargs.inpScales = scales.data_ptr() if scales is not None else 0
+            dargs.replay = 1
+            try:
+                disp_launch[v]()
+            finally:
+                dargs.replay = 0  # (the args struct is the dispatch's too)
+            out_s = scale_views.of(scales)
+            return (out, out_w if weights is not None else None, out_s, out_idx, total_recv, routing,
+                    moe_outputs(v, out_s, weights, 1))
 
         # from the default allocator (never from inp, which may lie in the symmetric arena)
         new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, dev)
@@ -224,6 +276,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             comb_launch[v]()
             return y, y_w
 
+        expert_combine = expert_major_combine(cfg, var, plans, base, dev)  # (None without the layout)
+
         def combine_input_buffer():
             # A plain allocation, not arena: the push combine reads its input only locally, so this
             # costs no symmetric memory (world_size * M rows), and nothing unless it is asked for.
@@ -234,7 +288,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         def check():
             if err_words[0]:
-                raise EpDeviceError(decode_error(list(err_words), cfg.rank) + "; call op.reset() (collective)")
+                error = EpCapacityError if err_words[0] == ErrCode.kErrCapacity else EpDeviceError
+                raise error(decode_error(list(err_words), cfg.rank) + "; call op.reset() (collective)")
 
         def reset():
             torch.cuda.synchronize(dev)
@@ -252,6 +307,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             err, inp_buffer = torch.empty(0), None
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
-                         capabilities=frozenset({"graph", "zero_copy_combine"}),
+                         capabilities=frozenset({"graph", "zero_copy_combine", "scales"}),
                          check=check, reset=reset, combine_input_buffer=combine_input_buffer, close=close,
-                         bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)})
+                         bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)},
+                         replay=replay if cfg.routing_replay else None, combine_expert_major=expert_combine)

@@ -36,6 +36,8 @@ INTERNODE_KERNELS = ("auto", "v2", "v2_ll")
 #: rank sizes its grids for itself). Every other field must be equal on every rank (compared at
 #: construction).
 PER_RANK = {"per_rank": True}
+#: Field metadata of the options a MoE layer sets around the transfer (rules: :mod:`.config_moe`).
+MOE_OPTION = {"moe_option": True}
 
 
 def _int(name: str, value: Any, lo: int = 0) -> None:
@@ -88,10 +90,10 @@ class EpDispatchCombineConfig:
     data_type: torch.dtype = torch.bfloat16
     dispatch_data_type: Optional[torch.dtype] = None
     combine_data_type: Optional[torch.dtype] = None
-    scale_dim: int = 0
-    scale_type_size: int = 0
+    scale_dim: int = dataclasses.field(default=0, metadata=MOE_OPTION)
+    scale_type_size: int = dataclasses.field(default=0, metadata=MOE_OPTION)
     combine_mode: str = "gather"
-    quant_type: Optional[str] = None
+    quant_type: Optional[str] = dataclasses.field(default=None, metadata=MOE_OPTION)
     dispatch_block_num: Optional[int] = dataclasses.field(default=None, metadata=PER_RANK)
     combine_block_num: Optional[int] = dataclasses.field(default=None, metadata=PER_RANK)
     warp_num_per_block: Optional[int] = dataclasses.field(default=None, metadata=PER_RANK)
@@ -104,10 +106,10 @@ class EpDispatchCombineConfig:
     symm_memory: str = "auto"
     internode_kernel: str = "auto"
     internode_auto_ll_max_tokens: int = 512
-    index_dtype: torch.dtype = torch.int32
-    expert_counts: bool = False
-    expert_capacity: int = 0
-    routing_replay: bool = False
+    index_dtype: torch.dtype = dataclasses.field(default=torch.int32, metadata=MOE_OPTION)
+    expert_counts: bool = dataclasses.field(default=False, metadata=MOE_OPTION)
+    expert_capacity: int = dataclasses.field(default=0, metadata=MOE_OPTION)
+    routing_replay: bool = dataclasses.field(default=False, metadata=MOE_OPTION)
 
     def __post_init__(self):
         _int("world_size", self.world_size, 1)
@@ -187,6 +189,12 @@ class EpDispatchCombineConfig:
     def is_internode(self) -> bool:
         """Whether the group spans more than one node (``gpu_per_node < world_size``)."""
         return self.gpu_per_node < self.world_size
+
+    def moe_options_in_use(self) -> list[str]:
+        """``field=value`` of every MoE-layer option (``MOE_OPTION`` metadata) set to other than its
+        default, in declaration order."""
+        return [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if f.metadata.get("moe_option") and getattr(self, f.name) != f.default]
 
     def backend(self) -> str:
         """``kernel_backend`` → ``MORI_V2_KERNEL_BACKEND`` → ``hip``."""

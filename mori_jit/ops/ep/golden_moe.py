@@ -19,12 +19,15 @@ __all__ = ["golden_quantize", "golden_check_experts"]
 def golden_quantize(x: torch.Tensor, scale_type_size: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepGEMM's ``per_token_cast_to_fp8`` written out: ``(q [n, H] float8_e4m3fn, scales [n, H/block])``.
 
-    ``amax = max(|x| per block, 1e-4)``, ``sf = amax / 448``, UE8M0 (``scale_type_size=1``):
+    ``amax = max(|x| per block, 1e-4)``, ``sf = amax / 448`` as torch on CUDA computes it (times
+    the float32 reciprocal of 448, on any device), UE8M0 (``scale_type_size=1``):
     ``sf = 2 ** ceil(log2 sf)`` stored as the byte ``log2(sf) + 127``; ``q = e4m3(x * (1 / sf))``.
     """
     n, H = x.shape
     view = x.float().reshape(n, H // block, block)
-    sf = view.abs().amax(dim=2).clamp(min=1e-4) / 448.0
+    inv448 = torch.tensor(1.0, dtype=torch.float32, device=x.device) / torch.tensor(448.0, dtype=torch.float32,
+                                                                                     device=x.device)
+    sf = view.abs().amax(dim=2).clamp(min=1e-4) * inv448
     if scale_type_size == 1:
         mantissa, exponent = torch.frexp(sf)  # sf = mantissa * 2**exponent, mantissa in [0.5, 1)
         log2_ceil = torch.where(mantissa == 0.5, exponent - 1, exponent)

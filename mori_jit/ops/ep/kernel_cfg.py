@@ -20,9 +20,10 @@ from .contract import ROW_ALIGN
 from .tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
 __all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
-           "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "make_ep_cfg", "region_bytes",
+           "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "EP_MAX_COUNTED_EXPERTS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
-           "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE"]
+           "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE", "LAYOUT",
+           "EXPERT_SUM"]
 
 #: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
 EP_MAX_PEERS = 8
@@ -34,7 +35,13 @@ EP_MAX_BLOCK_THREADS = 1024
 #: Most dynamic shared memory for a dispatch block's bulk-copy stages: sm_90's 227 KiB per block
 #: less the static routing arrays (DispatchRound, at most 24 KiB) and the claim's words.
 EP_MAX_BULK_SMEM = 192 * 1024
+#: Most experts in all (numExpertPerRank * worldSize) a dispatch with expertCounts tallies in one
+#: block's shared memory (8 KiB).
+EP_MAX_COUNTED_EXPERTS = 2048
 DISPATCH, COMBINE = "dispatch", "combine"
+#: The expert-major layout kernel (launched after a dispatch, on the dispatch's EpCfg) and the
+#: expert-major combine's local sum (launched before a float32 combine, on the combine's EpCfg).
+LAYOUT, EXPERT_SUM = "layout", "expert_sum"
 
 
 class EpDType(CEnum):
@@ -100,6 +107,7 @@ class ErrCode(_U64Const):
     kErrTimeout = 0x4D4F5249  # "MORI": a spin-wait gave up after the timeout
     kErrShortInput = 0x53484F52  # "SHOR": the combine input has fewer rows than were received
     kErrPeerShortInput = 0x50534852  # "PSHR": a peer's short combine input left some of our tokens without its rows
+    kErrCapacity = 0x43415041  # "CAPA": a local expert received more pairs than the expert-major layout holds
 
 
 class XdbRow(CConst):
@@ -181,6 +189,26 @@ class EpCfg:
     # (EpBulkStages rows in flight, one thread drives it); others, and every block at 0, copy them
     # through the waves' registers. NVIDIA sm_90 and later only.
     bulkMinTokens: int = 0
+    # dispatch: expert ids (the input's and out_idx) are int64, else int32; ids outside
+    # [0, numExperts) drop their slot either way, compared before any narrowing
+    ids64: bool = False
+    # dispatch: per-token scales forwarded with their rows (inpScales [n, scaleDim] -> out_scales),
+    # elements of scaleTypeSize bytes (1, 2, 4 or 8); 0 and 0: none
+    scaleDim: int = 0
+    scaleTypeSize: int = 0
+    # dispatch: count the received (token, local expert) pairs into expert_counts (one per valid
+    # top-k slot): each block tallies its slots per expert in shared memory and adds them to the
+    # destinations' parity counters (expert_adds), which block 0 publishes and resets at the end
+    expertCounts: bool = False
+    # dispatch: a launch with args.replay set moves a new payload along the latest dispatch's forward
+    # map (tok_off) instead of claiming slots: same receive rows, ids, counts and total_recv
+    routingReplay: bool = False
+    # dispatch: the input is bf16 and each 128-element block is cast to e4m3 (dtype Fp8) with its
+    # scale (scaleTypeSize 4: float32, 1: UE8M0) on the way, as quant.py does, bit for bit
+    quantFp8Block128: bool = False
+    # dispatch: > 0 lays the received (token, local expert) pairs out expert-major, expertCapacity
+    # entries per expert (needs expertCounts), by the layout kernel launched after each dispatch
+    expertCapacity: int = 0
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -231,6 +259,18 @@ _RULES: list[tuple[Any, str]] = [
     (EpBlockThreads <= EP_MAX_BLOCK_THREADS, f"warpPerBlock*waveSize must be <= {EP_MAX_BLOCK_THREADS}"),
     ((C.vecUnroll >= 1) & (C.vecUnroll <= 8), "vecUnroll must be in 1..8"),
     (C.bulkMinTokens >= 0, "bulkMinTokens must be >= 0"),
+    ((C.scaleDim.eq(0) & C.scaleTypeSize.eq(0)) | ((C.scaleDim >= 1) & (C.scaleTypeSize.eq(1) | C.scaleTypeSize.eq(2)
+                                                                       | C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(8))),
+     "scaleDim and scaleTypeSize must be both 0 (no scales) or scaleDim >= 1 with scaleTypeSize 1, 2, 4 or 8"),
+    (~C.quantFp8Block128 | (C.dtype.eq(EpDType.Fp8) & (C.hiddenDim % 128).eq(0) & C.scaleDim.eq(C.hiddenDim / 128)
+                             & (C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(1)) & C.bulkMinTokens.eq(0)),
+     "quantFp8Block128 needs dtype Fp8, hiddenDim a multiple of 128, scaleDim = hiddenDim / 128, scaleTypeSize 4 "
+     "or 1, and bulkMinTokens 0 (the rows are cast in registers)"),
+    (C.expertCapacity.eq(0) | ((C.expertCapacity >= 1) & C.expertCounts),
+     "expertCapacity must be 0 (no expert-major layout) or >= 1 with expertCounts"),
+    (~C.expertCounts | (EpNumExperts <= EP_MAX_COUNTED_EXPERTS),
+     f"expertCounts needs numExpertPerRank*worldSize <= {EP_MAX_COUNTED_EXPERTS} (a block tallies every expert in "
+     f"shared memory)"),
     (EpBulkSmemBytes <= EP_MAX_BULK_SMEM, f"bulk-copy stages (EpBulkStages * token bytes) must fit in "
                                           f"{EP_MAX_BULK_SMEM} bytes of shared memory"),
 ]
@@ -257,7 +297,7 @@ def ep_cfg_problems(cfg: EpCfg) -> list[str]:
 EP_REGIONS: dict[str, str] = {
     "disp_out": "received token rows [maxRecv, tokenBytes] (written by peers)",
     "out_wts": "received weights [maxRecv, k] f32 (written by peers)",
-    "out_idx": "received expert ids [maxRecv, k] i32 (written by peers)",
+    "out_idx": "received expert ids [maxRecv, k] i32 (i64 with ids64) (written by peers)",
     "recv_to_src": "reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)",
     "tok_off": "forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)",
     "recv_num": "slot counters [2] i32, by epoch parity (peers add atomically)",
@@ -269,12 +309,21 @@ EP_REGIONS: dict[str, str] = {
     "xdb": "cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count",
     "sync": "local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim",
     "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
+    "out_scales": "received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales",
+    "expert_adds": "received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts",
+    "expert_counts": "the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts",
+    "exp_cursor": "expert-major layout: next entry per local expert [numExpertPerRank] u32 (local; the dispatch zeroes it, the layout kernel claims); none without expertCapacity",
+    "exp_x": "expert-major layout: rows [numExpertPerRank, expertCapacity, tokenBytes] (local)",
+    "exp_scales": "expert-major layout: scales [numExpertPerRank, expertCapacity, scaleDim * scaleTypeSize bytes] (local)",
+    "exp_wts": "expert-major layout: each entry's top-k weight [numExpertPerRank, expertCapacity] f32, 0 on padding (local)",
+    "exp_maps": "expert-major layout: receive row, source (srcRank*M + srcTok), top-k slot [3, numExpertPerRank, expertCapacity] i32, -1 on padding (local)",
+    "exp_entry": "expert-major layout: the entry e*expertCapacity + c of each received (row, top-k slot) [maxRecv, k] i32, -1 for none (local)",
 }
 
 EP_ARGS = ArgsSchema("EpArgs", [
     ptr("inpTok", "const void", "dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]"),
     ptr("inpWeights", "const float", "dispatch: weights [n, k]; combine: weights [>=recv, k] or null"),
-    ptr("inpIndices", "const int32_t", "dispatch: expert ids [n, k]"),
+    ptr("inpIndices", "const int32_t", "dispatch: expert ids [n, k] (int64 with ids64)"),
     ptr("outTok", "void", "combine: y [n, H]"),
     ptr("outWeights", "float", "combine: y_w [n, k] or null"),
     ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail (0 = ok)"),
@@ -284,6 +333,8 @@ EP_ARGS = ArgsSchema("EpArgs", [
     i64("timeoutNs", doc="spin-wait bound in ns"),
     u64("peerBase", EP_MAX_PEERS, "arena base address of every rank, by rank"),
     *[u64(f"off_{name}", doc=doc) for name, doc in EP_REGIONS.items()],
+    ptr("inpScales", "const void", "dispatch: per-token scales [n, scaleDim] of scaleTypeSize bytes, or null"),
+    i32("replay", doc="dispatch (routingReplay): 1 = move the payload along the latest dispatch's routing"),
 ])
 
 register_header(GeneratedHeader(
@@ -298,18 +349,31 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
     recv, k, m, ws = EpMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank, disp.worldSize
     low = comb.lowLatency
     return {
-        "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * 4,
+        "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * (8 if disp.ids64 else 4),
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
         "src_to_recv": ws * m * 8,
         "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * (8 if low else 4),
         "comb_flags": 0 if low else ws * m * 8,
         "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": EP_SYNC_WORDS * 8, "stamps": EP_STAMP_WORDS * 8,
+        "out_scales": recv * disp.scaleDim * disp.scaleTypeSize,
+        "expert_adds": 2 * disp.numExpertPerRank * 4 if disp.expertCounts else 0,
+        "expert_counts": disp.numExpertPerRank * 4 if disp.expertCounts else 0,
+        **_layout_bytes(disp),
     }
+
+
+def _layout_bytes(disp: EpCfg) -> dict[str, int]:
+    """Bytes of the expert-major layout's regions (all 0 without expertCapacity)."""
+    entries = disp.numExpertPerRank * disp.expertCapacity
+    return {"exp_cursor": disp.numExpertPerRank * 4 if entries else 0, "exp_x": entries * EpTokenBytes(disp),
+            "exp_scales": entries * disp.scaleDim * disp.scaleTypeSize, "exp_wts": entries * 4,
+            "exp_maps": 3 * entries * 4, "exp_entry": EpMaxRecv(disp) * disp.numExpertPerToken * 4 if entries else 0}
 
 
 def _leg_defaults(kind: str, arch: str) -> dict[str, Any]:
     # the geometry default is the tuning table's fallback: one number, one place
-    blocks, warps = DEFAULT_DISPATCH if kind == DISPATCH else DEFAULT_COMBINE
+    # (a layout runs on the dispatch's EpCfg, an expert sum on the combine's)
+    blocks, warps = DEFAULT_COMBINE if kind in (COMBINE, EXPERT_SUM) else DEFAULT_DISPATCH
     return {"waveSize": wave_size_for_arch(arch), "blockNum": blocks, "warpPerBlock": warps}
 
 
@@ -338,11 +402,12 @@ def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
     The only place ``MORI_V2_EP_*`` is read; the result goes into the key like any other Cfg. The
     combine leg refuses byte dtypes (they can be moved, not summed) and bulk copies (dispatch only).
     """
-    if kind not in (DISPATCH, COMBINE):
-        raise ValueError(f"kind must be {DISPATCH!r} or {COMBINE!r}, got {kind!r}")
-    merged = {**_leg_defaults(kind, arch), **request, **_env_overrides(kind)}
+    if kind not in (DISPATCH, COMBINE, LAYOUT, EXPERT_SUM):
+        raise ValueError(f"kind must be one of {DISPATCH!r}, {COMBINE!r}, {LAYOUT!r}, {EXPERT_SUM!r}, got {kind!r}")
+    merged = {**_leg_defaults(kind, arch), **request,
+              **_env_overrides(COMBINE if kind in (COMBINE, EXPERT_SUM) else DISPATCH)}
     cfg = apply_request(EpCfg(worldSize=1, waveSize=wave_size_for_arch(arch)), merged)
-    if kind == COMBINE and not EpSummable(cfg):
+    if kind in (COMBINE, EXPERT_SUM) and not EpSummable(cfg):
         raise ConfigError(f"combine dtype {cfg.dtype.name} cannot be summed; combine supports Bf16 and Fp32")
     if kind == COMBINE and cfg.bulkMinTokens:
         raise ConfigError(f"bulkMinTokens={cfg.bulkMinTokens} on the combine leg: bulk copies are a dispatch "

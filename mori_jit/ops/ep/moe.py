@@ -15,8 +15,8 @@ Each expert is ``f_e(v) = silu(v @ w_up[e]) @ w_down[e]`` (bf16 weights); the ex
 as two grouped GEMMs over ``[E, capacity, ...]`` (``torch._grouped_mm`` where torch has it, else one
 matmul per expert), so padding rows are computed and then masked by ``expert_counts``; the top-k
 weights are applied on the expert side, and :meth:`~mori_jit.ops.ep.op.EpDispatchCombineOp.combine_expert_major`
-sums. Every step is a device tensor op: with a backend that does not sync (the JIT backend, once it
-has these features), a step can be captured in a graph.
+sums. Every step is a device tensor op: with a backend that does not sync (the JIT backend), a step
+can be captured in a graph.
 """
 from __future__ import annotations
 

@@ -73,12 +73,17 @@ class KernelSet:
     combine_expert_major: Optional[Callable[..., torch.Tensor]] = None
 
 
+#: The in-op quantizations the ``hip`` kernels do (``EpCfg.quantFp8Block128``).
+HIP_QUANT_TYPES = (None, "none", "fp8_e4m3_block128")
+
+
 def gather_unquantized_gaps(cfg: EpDispatchCombineConfig) -> list[str]:
-    """The ``hip`` backend's gaps of combine and quantization: only gather combine, no in-op quantization."""
+    """The ``hip`` backend's gaps of combine and quantization: only gather combine, and only the
+    in-op quantizations its kernels do."""
     missing = []
     if cfg.combine_mode != "gather":
         missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
-    if cfg.quant_type not in (None, "none"):
+    if cfg.quant_type not in HIP_QUANT_TYPES:
         missing.append(f"quant_type={cfg.quant_type!r} (pass already-quantized payloads instead)")
     return missing
 

@@ -5,10 +5,15 @@ bf16 input is cut into blocks of 128 elements, and each block ``b`` becomes e4m3
 scale, exactly (every backend must match these numerics bit for bit):
 
 * ``amax = max(max(|x_b|) in float32, 1e-4)`` (the floor keeps an all-zero block finite);
-* ``sf = amax / 448`` in float32 (448: the largest e4m3fn value); with 1-byte scales
+* ``sf = amax * fl32(1 / 448)`` in float32 (448: the largest e4m3fn value); with 1-byte scales
   (``scale_type_size=1``, UE8M0) ``sf = 2 ** ceil(log2(sf))`` instead, a power of two;
 * ``q = float8_e4m3fn(x_b in float32 * (1 / sf))`` (round to nearest even, as torch casts);
 * the receiver dequantizes with ``q * sf``.
+
+Why ``amax * fl32(1 / 448)`` rather than ``amax / 448``: DeepGEMM writes ``amax / 448.0``, and torch
+on CUDA divides a tensor by a Python scalar as a multiplication by the scalar's float32 reciprocal,
+while torch on the CPU divides (they differ in the last bit for about half of all values). The
+product is what the formula gives on the GPUs it runs on, so it is the definition, on every device.
 
 Scales are ``[n, hidden / 128]``: float32 (``scale_type_size=4``) or UE8M0 bytes
 (``scale_type_size=1``; the byte is the biased exponent ``e + 127`` of ``2 ** e``, torch's
@@ -22,7 +27,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["QuantSpec", "QUANT_TYPES", "quant_spec", "quantize", "dequantize", "scale_values", "ue8m0_dtype", "quant_config_errors"]
+__all__ = ["QuantSpec", "QUANT_TYPES", "quant_spec", "quantize", "dequantize", "scale_values", "ue8m0_dtype",
+           "quant_config_errors", "float32_reciprocal"]
 
 #: What the config's ``quant_type`` means when it is None or ``"none"``: no in-op quantization.
 NO_QUANT = (None, "none")
@@ -43,6 +49,13 @@ QUANT_TYPES = {"fp8_e4m3_block128": QuantSpec(torch.bfloat16, torch.float8_e4m3f
 
 #: The floor of a block's amax (DeepGEMM's), so an all-zero block gets a finite scale.
 AMAX_FLOOR = 1e-4
+
+
+def float32_reciprocal(value: float) -> float:
+    """``1 / value`` rounded once to float32 (as a Python float): what torch on CUDA multiplies by
+    when a tensor is divided by the scalar ``value``."""
+    one = torch.ones((), dtype=torch.float32)
+    return float(one / torch.tensor(value, dtype=torch.float32))
 
 
 def quant_spec(quant_type: Optional[str]) -> Optional[QuantSpec]:
@@ -71,7 +84,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, scale_type_size: int) -> tuple[to
     n, hidden = x.shape
     blocks = x.reshape(n, hidden // spec.block, spec.block).float()
     amax = blocks.abs().amax(dim=2).clamp_min(AMAX_FLOOR)
-    sf = amax / spec.max_value
+    sf = amax * float32_reciprocal(spec.max_value)  # (see the module's doc)
     if scale_type_size == 1:
         biased = _ceil_pow2_exponent(sf) + 127
         sf = (biased << 23).view(torch.float32)  # 2 ** (biased - 127), built from its bits

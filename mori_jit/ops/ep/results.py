@@ -24,7 +24,8 @@ class EpCapacityError(RuntimeError):
 
     Never a silent truncation: the ``torch`` backend raises it from the ``dispatch`` itself, on the
     rank whose expert overflowed, after the exchange (so no peer is left inside a collective); a
-    backend that does not sync the host raises it from ``check()`` or the op's next call.
+    backend that does not sync the host (``hip``) raises it from ``check()`` or the op's next call
+    on that rank, until ``op.reset()`` (collective).
     """
 
 

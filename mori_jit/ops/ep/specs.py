@@ -5,9 +5,13 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain
 
-from .kernel_cfg import COMBINE, DISPATCH, EP_ARGS, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, make_ep_cfg
+from .kernel_cfg import COMBINE, DISPATCH, EP_ARGS, EXPERT_SUM, LAYOUT, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, make_ep_cfg
 
-__all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "ELEM_TYPES"]
+__all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "EP_LAYOUT", "EP_EXPERT_SUM", "ELEM_TYPES"]
+
+#: The kernel body of each kind.
+_BODIES = {DISPATCH: "EpDispatchBody", COMBINE: "EpCombineBody", LAYOUT: "EpLayoutBody",
+           EXPERT_SUM: "EpExpertSumBody"}
 
 #: Device element type of each dtype tag (expanded at render time; the Cfg header has only the tag).
 ELEM_TYPES = {EpDType.Bf16: "mori::bf16_t", EpDType.Fp32: "float", EpDType.Fp8: "mori::fp8_t",
@@ -15,7 +19,9 @@ ELEM_TYPES = {EpDType.Bf16: "mori::bf16_t", EpDType.Fp32: "float", EpDType.Fp8: 
 
 
 class EpSpec(Spec):
-    """One leg of the intranode EP op. ``kind`` is ``dispatch`` or ``combine``."""
+    """One kernel of the intranode EP op. ``kind`` is ``dispatch``, ``combine``, ``layout`` (the
+    expert-major layout, launched after a dispatch with the dispatch's EpCfg) or ``expert_sum`` (the
+    expert-major combine's local sum, on the combine's EpCfg)."""
 
     cfg_type = EpCfg
     args = EP_ARGS
@@ -33,20 +39,34 @@ class EpSpec(Spec):
         return make_ep_cfg(self.kind, toolchain.arch, request or {})
 
     def entry_name(self, cfg: EpCfg) -> str:
-        # (_ll: the low-latency combine; _bulk: a dispatch whose large blocks use the bulk-copy unit)
+        # (_ll: the low-latency combine; _bulk: a dispatch whose large blocks use the bulk-copy unit;
+        # _i64: int64 expert ids; _s<dim>x<bytes>: per-token scales;
+        # _cnt: local expert counts; _rr: routing replay; _q128: in-kernel fp8 block cast;
+        # _c<capacity>: the expert-major layout)
         return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
                 f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatency else ''}"
-                f"{'_bulk' if cfg.bulkMinTokens else ''}")
+                f"{'_bulk' if cfg.bulkMinTokens else ''}{'_i64' if cfg.ids64 else ''}"
+                f"{f'_s{cfg.scaleDim}x{cfg.scaleTypeSize}' if cfg.scaleDim else ''}{'_cnt' if cfg.expertCounts else ''}"
+                f"{'_rr' if cfg.routingReplay else ''}{'_q128' if cfg.quantFp8Block128 else ''}"
+                f"{f'_c{cfg.expertCapacity}' if cfg.expertCapacity else ''}")
+
+    def precompile_cfgs(self, toolchain: Toolchain) -> list[EpCfg]:
+        # a layout or an expert sum exists only for an op's config (mori-jit precompile --ep builds those)
+        return [] if self.kind in (LAYOUT, EXPERT_SUM) else super().precompile_cfgs(toolchain)
 
     def geometry(self, cfg: EpCfg) -> Geometry:
-        return Geometry((cfg.blockNum, 1, 1), (EpBlockThreads(cfg), 1, 1), EpBulkSmemBytes(cfg))
+        # (only the dispatch has bulk-copy stages; a layout runs on the dispatch's EpCfg without them)
+        smem = EpBulkSmemBytes(cfg) if self.kind == DISPATCH else 0
+        return Geometry((cfg.blockNum, 1, 1), (EpBlockThreads(cfg), 1, 1), smem)
 
     def template_vars(self, cfg: EpCfg, toolchain: Toolchain) -> dict:
         # Arch routing happens here, on the host: every arch uses the portable body today.
         return {"body_header": "ep/ep_intranode.hpp",
-                "body": "EpDispatchBody" if self.kind == DISPATCH else "EpCombineBody",
+                "body": _BODIES[self.kind],
                 "elem_t": ELEM_TYPES[cfg.dtype]}
 
 
 EP_DISPATCH = register(EpSpec(DISPATCH))
 EP_COMBINE = register(EpSpec(COMBINE))
+EP_LAYOUT = register(EpSpec(LAYOUT))
+EP_EXPERT_SUM = register(EpSpec(EXPERT_SUM))

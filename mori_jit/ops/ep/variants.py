@@ -14,14 +14,15 @@ import torch
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from .kernel_cfg import COMBINE, DISPATCH, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg
+from .kernel_cfg import (COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType,
+                         EpIsValid, EpRangeTok, make_ep_cfg, region_bytes)
 from .config import EpDispatchCombineConfig
 from .op import gather_unquantized_gaps
 from .schedule import Schedule
 from .tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
 
 __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
-           "config_from_strings", "precompile_targets", "hip_gaps"]
+           "config_from_strings", "precompile_targets", "hip_gaps", "dispatch_moe_fields"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
 DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
@@ -33,22 +34,23 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     GPUs) (empty = they can); the live op adds the device check, ``mori-jit precompile --ep``
     refuses the same configs."""
     missing = gather_unquantized_gaps(cfg)
-    if cfg.scale_dim or cfg.scale_type_size:
-        missing.append(f"per-token scales (scale_dim={cfg.scale_dim}, scale_type_size={cfg.scale_type_size})")
-    if cfg.index_dtype != torch.int32:
-        missing.append(f"index_dtype={cfg.index_dtype} (the kernels read torch.int32 expert ids)")
-    if cfg.expert_counts:
-        missing.append("expert_counts=True (local expert counts)")
-    if cfg.expert_capacity:
-        missing.append(f"expert_capacity={cfg.expert_capacity} (the expert-major layout)")
-    if cfg.routing_replay:
-        missing.append("routing_replay=True (dispatch(routing=...))")
     if cfg.is_internode:  # (the internode kernels: their own limits)
         from .internode_variants import internode_gaps
         missing.extend(internode_gaps(cfg, arch))
+        if cfg.moe_options_in_use():
+            missing.append(f"the MoE-layer options on the internode kernels ({', '.join(cfg.moe_options_in_use())}): "
+                           f"intranode only")
     elif cfg.world_size > EP_MAX_PEERS:
         missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS} (intranode)")
     return missing
+
+
+def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
+    """The dispatch EpCfg fields of ``cfg``'s MoE options. Each is off by default, and a Cfg renders
+    only its non-default fields, so an op without them renders, keys and builds as before."""
+    return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size,
+            "expertCounts": cfg.expert_counts, "routingReplay": cfg.routing_replay,
+            "quantFp8Block128": cfg.quant_type == "fp8_e4m3_block128", "expertCapacity": cfg.expert_capacity}
 
 
 def _check_num_cus(num_cus) -> None:
@@ -68,16 +70,28 @@ class EpVariants:
     schedule: Schedule
     dispatch: tuple[EpCfg, ...]
     combine: tuple[EpCfg, ...]
+    #: per bucket, the combine of ``combine_expert_major`` (the expert layout only): the combine's
+    #: EpCfg moving float32 rows (the local sums), so the result is rounded once
+    expert_combine: tuple[EpCfg, ...] = ()
 
     def all_cfgs(self) -> list[tuple[str, EpCfg]]:
-        """Distinct (kind, cfg) pairs — the set of binaries to compile."""
-        out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine])
+        """Distinct (kind, cfg) pairs — the set of binaries to compile (a dispatch with the
+        expert-major layout brings its layout kernel, and the combine its local sum)."""
+        out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine]
+                            + [(LAYOUT, c) for c in self.dispatch if c.expertCapacity]
+                            + [(EXPERT_SUM, c) for c in self.combine if self.expert_combine]
+                            + [(COMBINE, c) for c in self.expert_combine])
         return list(out)
+
+    def region_bytes(self) -> dict[str, int]:
+        """The arena's region sizes for these kernels (the expert-major combine moves float32 rows,
+        so its combine, where there is one, sizes the combine's receive side)."""
+        return region_bytes(self.dispatch[0], (self.expert_combine or self.combine)[0])
 
     def requests(self) -> list[tuple]:
         """The ``(spec, EpCfg)`` pairs to prepare: :meth:`all_cfgs` with each kind's spec."""
-        from .specs import EP_COMBINE, EP_DISPATCH
-        spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE}
+        from .specs import EP_COMBINE, EP_DISPATCH, EP_EXPERT_SUM, EP_LAYOUT
+        spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE, LAYOUT: EP_LAYOUT, EXPERT_SUM: EP_EXPERT_SUM}
         return [(spec[kind], c) for kind, c in self.all_cfgs()]
 
 
@@ -166,9 +180,11 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
         c = leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low)[0]
         return c if EpRangeTok(c) == 2 else leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low, **ONE_TOKEN_COMBINE)[0]
 
+    moe = dispatch_moe_fields(cfg)
+
     def dispatch(edge, geo):  # a bucket whose blocks can own enough tokens takes the bulk path, as a request
-        c = leg(DISPATCH, cfg.dispatch_dtype, [geo])[0]
-        return leg(DISPATCH, cfg.dispatch_dtype, [geo], bulkMinTokens=BULK_DISPATCH_MIN_TOKENS)[0] \
+        c = leg(DISPATCH, cfg.dispatch_dtype, [geo], **moe)[0]
+        return leg(DISPATCH, cfg.dispatch_dtype, [geo], bulkMinTokens=BULK_DISPATCH_MIN_TOKENS, **moe)[0] \
             if _bulk_dispatch(c, arch, min(edge or cfg.max_num_inp_token_per_rank, cfg.max_num_inp_token_per_rank)) else c
 
     comb = tuple(combine(geo) for geo in sched.combine)
@@ -177,7 +193,8 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
         if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
             raise ConfigError(f"combine lowLatency={c.lowLatency} from MORI_V2_EP_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")
-    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb)
+    expert = tuple(dataclasses.replace(c, dtype=EpDType.Fp32) for c in comb) if cfg.expert_capacity else ()
+    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb, expert)
 
 
 def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:

@@ -1,0 +1,97 @@
+// In-kernel fp8 block quantization of the dispatch payload (EpCfg quantFp8Block128): the numerics of
+// mori_jit/ops/ep/quant.py, bit for bit. Per 128-element block of a bf16 row:
+//   amax = max(max |x|, 1e-4); sf = amax * fl32(1/448) (UE8M0: 2^ceil(log2 sf), from its bits);
+//   q = e4m3fn(x * (1 / sf)), rounded to nearest even as torch converts (Fp8E4m3FromF32).
+// A block is 8 16-byte vectors of fp8 output (16 bf16 inputs each), held by 8 consecutive lanes.
+// Needs only the platform header (mori::plat), so a host build can check the numerics against torch.
+#pragma once
+#include <cstdint>
+
+namespace mori::ep {
+
+constexpr int kQuantBlock = 128;
+constexpr int kQuantLanes = kQuantBlock / 16;  // lanes (fp8 output vectors) per block
+constexpr float kAmaxFloor = 1e-4f;
+constexpr float kInv448 = 1.0f / 448.0f;  // rounded once, at compile time: fl32(1/448)
+
+// torch's float -> float8_e4m3fn (c10 fp8e4m3fn_from_fp32_value): round to nearest even; NaN -> 0x7f,
+// finite values from 480 up -> 0x7e (448), below 2^-6 through the denormal trick.
+MORI_DEVICE uint8_t Fp8E4m3FromF32(float f) {
+  constexpr uint32_t kFp8Max = 1087u << 20, kDenormMask = 141u << 23;
+  uint32_t bits = __float_as_uint(f);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t r;
+  if (bits >= kFp8Max) {
+    r = bits > 0x7F800000u ? 0x7f : 0x7e;
+  } else if (bits < (121u << 23)) {
+    r = uint8_t(__float_as_uint(__uint_as_float(bits) + __uint_as_float(kDenormMask)) - kDenormMask);
+  } else {
+    const uint32_t mantOdd = (bits >> 20) & 1u;
+    bits += (uint32_t(7 - 127) << 23) + 0x7FFFFu;
+    bits += mantOdd;
+    r = uint8_t(bits >> 20);
+    if (r == 0x7f) r = 0x7e;
+  }
+  return uint8_t(r | (sign >> 24));
+}
+
+// The block scale of amax: its float32 value and the word stored (float32 bits, or the UE8M0 byte).
+template <int kScaleBytes>
+MORI_DEVICE float BlockScale(float amax, uint32_t& word) {
+  const float sf = fmaxf(amax, kAmaxFloor) * kInv448;
+  if constexpr (kScaleBytes == 1) {
+    const uint32_t bits = __float_as_uint(sf);
+    const uint32_t biased = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u);  // ceil(log2 sf) + 127
+    word = biased;
+    return __uint_as_float(biased << 23);
+  } else {
+    word = __float_as_uint(sf);
+    return sf;
+  }
+}
+
+// The max of v over this lane's block (kQuantLanes aligned lanes); every lane of the wave calls it.
+MORI_DEVICE float BlockMax(float v) {
+  const int lane = plat::lane_id();
+#pragma unroll
+  for (int m = 1; m < kQuantLanes; m <<= 1) v = fmaxf(v, __int_as_float(plat::shfl(__float_as_int(v), lane ^ m)));
+  return v;
+}
+
+// 16 bf16 values (lo, hi: 8 each) -> 16 e4m3 bytes, times inv.
+MORI_DEVICE plat::vec16_t QuantizeVec(const plat::vec16_t& lo, const plat::vec16_t& hi, float inv) {
+  uint32_t in[8], out[4];
+  __builtin_memcpy(in, &lo, 16);
+  __builtin_memcpy(in + 4, &hi, 16);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    uint32_t packed = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int e = w * 4 + b;  // element e: the low or high half of input word e / 2
+      const uint32_t half = (in[e / 2] >> (16 * (e % 2))) & 0xFFFFu;
+      packed |= uint32_t(Fp8E4m3FromF32(__uint_as_float(half << 16) * inv)) << (8 * b);
+    }
+    out[w] = packed;
+  }
+  plat::vec16_t v;
+  __builtin_memcpy(&v, out, 16);
+  return v;
+}
+
+// The local max |x| of 16 bf16 values.
+MORI_DEVICE float AbsMax16(const plat::vec16_t& lo, const plat::vec16_t& hi) {
+  uint32_t in[8];
+  __builtin_memcpy(in, &lo, 16);
+  __builtin_memcpy(in + 4, &hi, 16);
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    m = fmaxf(m, __uint_as_float((in[i] & 0x7FFFu) << 16));
+    m = fmaxf(m, __uint_as_float(in[i] & 0x7FFF0000u));
+  }
+  return m;
+}
+
+}  // namespace mori::ep
