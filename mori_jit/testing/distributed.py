@@ -12,6 +12,7 @@ import datetime
 import faulthandler
 import gc
 import os
+import signal
 import socket
 import sys
 import time
@@ -48,8 +49,10 @@ def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, a
         # A collective whose peer died errors out instead of waiting forever.
         timeout=datetime.timedelta(seconds=timeout),
     )
-    # A hang dumps every thread's stack shortly before the parent's deadline kills the worker.
-    faulthandler.dump_traceback_later(max(1.0, timeout - 15), exit=False)
+    # Whatever ends the parent's wait while this worker runs (its deadline, pytest's timeout, an
+    # interrupt), the parent asks for this worker's stacks before killing it: where a hang is.
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -112,8 +115,22 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
                 raise TimeoutError(f"distributed job {name!r} with world_size {world_size} did not "
                                    f"finish within {timeout} s (killed pids {alive})\n{_drain(errors)}")
     finally:  # whatever ends the wait (a failure, the deadline, an interrupt), no worker outlives it
+        _dump_stacks([p for p in ctx.processes if p.is_alive()])
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
         for p in ctx.processes:
             p.join(5)
+
+
+def _dump_stacks(alive) -> None:
+    """Ask each live worker, one after the other, to print its threads' stacks to its stderr (the
+    worker registered the signal with faulthandler), so that the dumps do not interleave."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+        time.sleep(0.3)
