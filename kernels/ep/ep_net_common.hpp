@@ -4,6 +4,7 @@
 #pragma once
 #include "common/types.hpp"
 #include "ep/ep_net_generated.hpp"
+#include "ep/ep_report.hpp"
 
 namespace mori::epnet {
 
@@ -20,19 +21,9 @@ MORI_DEVICE uint64_t* Signals(const EpNetArgs& a, NetSignal row) {
   return Local<uint64_t>(a, a.off_signals) + uint64_t(row) * kCfg.worldSize;
 }
 
-// The first thread of this rank to fail claims the error words (sync word 0), so the host reads
-// one report whole, and it is the first error until op.reset().
+// Record a device error for the host (ep_report.hpp); sync word 0 is the claim.
 MORI_DEVICE void RecordError(const EpNetArgs& a, ErrCode code, uint64_t detail, uint64_t extra) {
-  if (plat::atomic_add_device(reinterpret_cast<unsigned*>(Local<uint64_t>(a, a.off_sync)), 1u) != 0) return;
-  volatile uint64_t* err = a.errWord;
-  err[1] = detail;
-  err[2] = extra;
-  plat::fence_system();
-  err[0] = code;
-}
-
-MORI_DEVICE constexpr uint64_t TimeoutDetail(NetWaitId wait, uint64_t peer, uint64_t rank) {
-  return (uint64_t(wait) << 48) | (peer << 32) | (rank << 16);
+  ep_report::RecordErrorWords(a, Local<uint64_t>(a, a.off_sync), code, detail, extra);
 }
 
 // A sender whose combine input is short (fewer rows than it received) tells the home rank of each
@@ -56,14 +47,9 @@ MORI_DEVICE void ReportShortPeers(const EpNetArgs& a, int worldSize, int epoch) 
 // Spin until *flag >= target (a word peers signal); gives up after args.timeoutNs and records which
 // wait, for which peer, on which rank.
 MORI_DEVICE void WaitAtLeast(const EpNetArgs& a, const uint64_t* flag, uint64_t target, NetWaitId wait, int peer) {
-  if (plat::load_acquire_system(flag) >= target) return;
-  const uint64_t t0 = plat::now_ns();
-  while (plat::load_acquire_system(flag) < target) {
-    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      RecordError(a, kErrTimeout, TimeoutDetail(wait, peer, a.rank), target);
-      return;
-    }
-  }
+  ep_report::SpinAtLeast(flag, target, a.timeoutNs, [&](uint64_t t) {
+    RecordError(a, kErrTimeout, ep_report::TimeoutDetail(wait, peer, a.rank), t);
+  });
 }
 
 // Ranks first, first + stride, ... (count of them): every rank, a node's ranks, or the ranks of one
@@ -99,9 +85,8 @@ MORI_DEVICE uint64_t OwnCount(const EpNetArgs& a, NetSignal row) {
   return plat::load_acquire_system(Signals<kCfg>(a, row) + a.rank);
 }
 
-// This block's share of a done unit: a rank's blocks add kDoneUnit in all per epoch, whatever its
-// grid (a launch's partial sum stays below a unit, so count / kDoneUnit is the epochs done).
-MORI_DEVICE uint64_t BlockShare() { return blockIdx.x == 0 ? kDoneUnit - (gridDim.x - 1) : 1; }
+// This block's share of a done unit (ep_report.hpp).
+MORI_DEVICE uint64_t BlockShare() { return ep_report::BlockShare(kDoneUnit); }
 
 // After every thread of the block issued its stores and puts: complete them (CompleteBlock), then add
 // `value` to this rank's word of `row` on some ranks (SignalRanks). Each warp completes its own puts (a network transport
