@@ -13,6 +13,9 @@ import re
 import pytest
 import torch
 
+from ep_gpu_checks import combine_short_and_expect_reports
+from ep_gpu_checks import identity_expert as _expert
+from ep_gpu_checks import parity_with_torch as _parity
 from mori_jit.testing.gpu_world import WORLD_SIZES, placement, run_ep_job
 
 pytestmark = [pytest.mark.gpu,
@@ -36,13 +39,6 @@ def _share(ws: int) -> int:
 def _host_or_device(t: torch.Tensor) -> torch.Tensor:
     """``t`` where the default group's collectives take it (gloo: the host)."""
     return t.cpu() if torch.distributed.get_backend() == "gloo" else t
-
-
-def _expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:
-    """The identity expert: byte payloads map byte value -> number (exact in bf16/fp32)."""
-    if out.element_size() == 1:
-        return out.view(torch.uint8).to(combine_dtype)
-    return out.to(combine_dtype)
 
 
 def _poison(op):
@@ -73,30 +69,6 @@ def _round(op, cfg, rank, ws, gen, n, *, drop=0.0, all_to=None, check_parity_wit
     if check_parity_with is not None:
         _parity(op, check_parity_with, x, w, idx, out, out_w, out_idx, total, routing, y, y_w)
     return total.item()
-
-
-def _parity(op, ref_op, x, w, idx, out, out_w, out_idx, total, routing, y, y_w):
-    """hip vs torch backend: same rows per source (matched through the reverse map), same sums. The
-    torch backend runs where its group's collectives do (gloo: the host); results come back."""
-    on = ref_op.device
-    r_out, r_w, _, r_idx, r_total, r_routing = ref_op.dispatch(x.to(on), w.to(on), None, idx.to(on),
-                                                               return_routing=True)
-    dev = x.device
-    r_out, r_w, r_idx = r_out.to(dev), r_w.to(dev), r_idx.to(dev)
-    t = total.item()
-    assert t == r_total.item(), f"total_recv hip {t} != torch {r_total.item()}"
-    hip_src, ref_src = routing.recv_src[:t].long(), r_routing.recv_src[:t].long().to(dev)
-    hip_order, ref_order = torch.argsort(hip_src), torch.argsort(ref_src)
-    assert torch.equal(hip_src[hip_order], ref_src[ref_order]), "received source sets differ"
-    assert torch.equal(out[:t].view(torch.uint8)[hip_order], r_out[:t].view(torch.uint8)[ref_order])
-    assert torch.equal(out_w[:t][hip_order], r_w[:t][ref_order])
-    assert torch.equal(out_idx[:t][hip_order], r_idx[:t][ref_order])
-    cfg = op.cfg
-    r_y, r_yw = ref_op.combine(_expert(r_out, cfg.combine_dtype)[:t].to(on), weights=r_w[:t].to(on), routing=r_routing)
-    r_y, r_yw = r_y.to(dev), r_yw.to(dev)
-    torch.testing.assert_close(y.float(), r_y.float(), rtol=1e-2 if cfg.combine_dtype == BF16 else 1e-5,
-                               atol=1e-2 if cfg.combine_dtype == BF16 else 1e-5)
-    torch.testing.assert_close(y_w, r_yw, rtol=1e-5, atol=1e-5)
 
 
 def _cfg(rank, ws, hidden, k, disp, comb, m, backend="hip", **pins):
@@ -296,7 +268,6 @@ def _combine_inputs_job(rank, ws):
             op.check()
             if m == 40:  # a short input on rank 0: reported there (nothing read past it) and on every
                 # rank whose tokens lost rows by it (no silent wrong sums), then reset() recovers
-                from mori_jit.ops.ep import EpDeviceError
                 x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
                 out, out_w, _, _, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
                 t = total.item()
@@ -304,21 +275,8 @@ def _combine_inputs_job(rank, ws):
                 # ranks' claim timing, so half the rows might all be its own)
                 peer_rows = (routing.recv_src[:t].long() // cfg.max_num_inp_token_per_rank != 0).nonzero()
                 rows = (int(peer_rows[-1]) if len(peer_rows) else t // 2) if rank == 0 else t
-                lost = _host_or_device(torch.zeros(ws, dtype=torch.int32, device=dev))  # by source rank of a dropped row
-                if rank == 0:
-                    lost[(routing.recv_src[rows:t].long() // cfg.max_num_inp_token_per_rank).unique().to(lost.device)] = 1
-                    assert ws == 1 or lost[1:].any(), "the short input must drop some peer's rows"
-                torch.distributed.broadcast(lost, 0)
-                op.combine(out[:rows].clone(), weights=out_w[:rows].clone(), routing=routing)
-                torch.cuda.synchronize()
-                if rank == 0:
-                    with pytest.raises(EpDeviceError, match=f"rank 0: combine input had {rows} rows but dispatch received {t}"):
-                        op.check()
-                elif lost[rank]:
-                    with pytest.raises(EpDeviceError, match=f"rank {rank}: rank 0's combine input was short"):
-                        op.check()
-                else:
-                    op.check()  # none of this rank's tokens went to rank 0's dropped rows: its sum is whole
+                lost = combine_short_and_expect_reports(op, out, out_w, routing, rows, t)
+                assert rank != 0 or ws == 1 or lost[1:].any(), "the short input must drop some peer's rows"
                 op.reset()  # collective
                 _round(op, cfg, rank, ws, gen, m)
                 op.check()

@@ -15,6 +15,9 @@ import os
 import pytest
 import torch
 
+from ep_gpu_checks import combine_short_and_expect_reports
+from ep_gpu_checks import identity_expert as _expert
+from ep_gpu_checks import parity_with_torch as _parity
 from mori_jit.testing.gpu_world import WORLD_SIZES
 from mori_jit.testing.gpu_world_shmem import run_shmem_job
 
@@ -44,13 +47,6 @@ def _dev() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:
-    """The identity expert: byte payloads map byte value -> number (exact in bf16/fp32)."""
-    if out.element_size() == 1:
-        return out.view(torch.uint8).to(combine_dtype)
-    return out.to(combine_dtype)
-
-
 def _cfg(rank, ws, gpn, hidden, k, disp, comb, m, backend="hip", **kw):
     from mori_jit.ops.ep import EpDispatchCombineConfig
 
@@ -69,27 +65,6 @@ def _poison(op):
         a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)
     torch.cuda.synchronize()
     torch.distributed.barrier()
-
-
-def _parity(op, ref_op, x, w, idx, out, out_w, out_idx, total, routing, y, y_w):
-    """JIT vs torch backend: the same rows per source (matched through the reverse map), the same sums."""
-    on = ref_op.device
-    r_out, r_w, _, r_idx, r_total, r_routing = ref_op.dispatch(x.to(on), w.to(on), None, idx.to(on),
-                                                               return_routing=True)
-    dev = x.device
-    t = total.item()
-    assert t == r_total.item(), f"total_recv JIT {t} != torch {r_total.item()}"
-    src, r_src = routing.recv_src[:t].long(), r_routing.recv_src[:t].long().to(dev)
-    order, r_order = torch.argsort(src), torch.argsort(r_src)
-    assert torch.equal(src[order], r_src[r_order]), "received source sets differ"
-    assert torch.equal(out[:t].view(torch.uint8)[order], r_out.to(dev)[:t].view(torch.uint8)[r_order])
-    assert torch.equal(out_w[:t][order], r_w.to(dev)[:t][r_order])
-    assert torch.equal(out_idx[:t][order], r_idx.to(dev)[:t][r_order])
-    cfg = op.cfg
-    r_y, r_yw = ref_op.combine(_expert(r_out, cfg.combine_dtype)[:t].to(on), weights=r_w[:t].to(on), routing=r_routing)
-    tol = 1e-2 if cfg.combine_dtype == BF16 else 1e-5
-    torch.testing.assert_close(y.float(), r_y.to(dev).float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(y_w, r_yw.to(dev), rtol=1e-5, atol=1e-5)
 
 
 def _round(op, rank, ws, gen, n, *, drop=0.0, all_to=None, ref=None):
@@ -243,7 +218,7 @@ def _timeout_job(rank, ws, gpn, family):
 def _short_input_job(rank, ws, gpn, family):
     """Rank 0 combines fewer rows than it received: reported there, and on every rank whose tokens
     lost rows by it (never a silent wrong sum); reset() recovers."""
-    from mori_jit.ops.ep import EpDeviceError, EpDispatchCombineOp
+    from mori_jit.ops.ep import EpDispatchCombineOp
     from mori_jit.ops.ep.golden import make_inputs
 
     gen = torch.Generator().manual_seed(31 + rank)
@@ -255,22 +230,7 @@ def _short_input_job(rank, ws, gpn, family):
         out, out_w, _, _, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
         t = total.item()
         rows = t // 2 if rank == 0 else t
-        lost = torch.zeros(ws, dtype=torch.int32)  # by home rank of a dropped row
-        if rank == 0:
-            lost[(routing.recv_src[rows:t].long() // m).unique().cpu()] = 1
-        if torch.distributed.get_backend() != "gloo":
-            lost = lost.to(_dev())
-        torch.distributed.broadcast(lost, 0)
-        op.combine(out[:rows].clone(), weights=out_w[:rows].clone(), routing=routing)
-        torch.cuda.synchronize()
-        if rank == 0:
-            with pytest.raises(EpDeviceError, match=f"rank 0: combine input had {rows} rows but dispatch received {t}"):
-                op.check()
-        elif lost[rank]:
-            with pytest.raises(EpDeviceError, match=f"rank {rank}: rank 0's combine input was short"):
-                op.check()
-        else:
-            op.check()  # none of this rank's tokens lost a row
+        combine_short_and_expect_reports(op, out, out_w, routing, rows, t)
         op.reset()
         _round(op, rank, ws, gen, m)
 

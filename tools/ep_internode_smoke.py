@@ -14,46 +14,27 @@ import argparse
 import faulthandler
 import os
 import sys
-import time
 import traceback
 
 import torch
 
-
-def _log(rank, msg):
-    print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
+from ep_smoke_rounds import log, smoke_rounds
 
 def _job(rank, ws, gpn, hidden, k, m, rounds, family):
     faulthandler.dump_traceback_later(90, exit=False)
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
 
     cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, gpu_per_node=gpn, hidden_dim=hidden,
                                   max_num_inp_token_per_rank=m, num_experts_per_rank=max(1, 16 // ws),
                                   num_experts_per_token=k, internode_kernel=family)
-    _log(rank, f"constructing op (MPS thread percentage {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE')})")
+    log(rank, f"constructing op (MPS thread percentage {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE')})")
     with EpDispatchCombineOp(cfg) as op:
         p2p = [pe for pe, p in enumerate(op.arena.peer_bases) if p]
-        _log(rank, f"op ready ({family}, buckets {op.kernels.schedule.edges}): memory {op.memory_kind}, {op.arena.tensor.numel()} bytes; peers reached by "
-                   f"loads/stores (P2P) {p2p}, by puts only {sorted(set(range(ws)) - set(p2p))}; "
-                   f"same node as this rank {[pe for pe in range(ws) if pe // gpn == rank // gpn]}")
-        gen = torch.Generator().manual_seed(rank)
-        dev = torch.device("cuda", torch.cuda.current_device())
-        for r in range(rounds):
-            x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, torch.bfloat16, dev, gen)
-            out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
-            torch.cuda.synchronize()
-            op.check()
-            _log(rank, f"round {r}: dispatch done, total_recv={total.item()}")
-            y, y_w = op.combine(out, weights=out_w, routing=routing)
-            torch.cuda.synchronize()
-            op.check()
-            _log(rank, f"round {r}: combine done")
-            golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, x, w, idx, out, out_w, out_idx, total,
-                         routing.recv_src, y, y_w)
-            _log(rank, f"round {r}: golden ok")
-            torch.distributed.barrier()  # `out` is valid until any rank's next dispatch
+        log(rank, f"op ready ({family}, buckets {op.kernels.schedule.edges}): memory {op.memory_kind}, "
+                  f"{op.arena.tensor.numel()} bytes; peers reached by loads/stores (P2P) {p2p}, by puts only "
+                  f"{sorted(set(range(ws)) - set(p2p))}; "
+                  f"same node as this rank {[pe for pe in range(ws) if pe // gpn == rank // gpn]}")
+        smoke_rounds(op, rounds, torch.device("cuda", torch.cuda.current_device()))
     faulthandler.cancel_dump_traceback_later()
 
 

@@ -3,6 +3,7 @@
 #pragma once
 #include "common/types.hpp"
 #include "ep/ep_generated.hpp"
+#include "ep/ep_report.hpp"
 
 namespace mori::ep {
 
@@ -30,38 +31,22 @@ MORI_DEVICE uint64_t* XdbFlags(const EpArgs& a, int pe, int row) {
   return At<uint64_t>(a, pe, a.off_xdb) + row * kMaxPeers;
 }
 
-// Record a device error for the host (words: code, detail, extra). The first thread of this rank
-// to fail claims the words and the others return, so the host reads one thread's report whole
-// (a dead peer times out many waits at once) and it is the first error, until op.reset().
+// Record a device error for the host (ep_report.hpp: the first failure of this rank claims the words).
 MORI_DEVICE void RecordError(const EpArgs& a, ErrCode code, uint64_t detail, uint64_t extra) {
-  if (plat::atomic_add_device(reinterpret_cast<unsigned*>(SyncWords(a) + kErrClaim), 1u) != 0) return;
-  volatile uint64_t* err = a.errWord;
-  err[1] = detail;
-  err[2] = extra;
-  plat::fence_system();
-  err[0] = code;
+  ep_report::RecordErrorWords(a, SyncWords(a) + kErrClaim, code, detail, extra);
 }
 
 // The detail words the host decodes (decode_error) for the two errors a peer causes: a wait that
-// timed out (which wait, for which peer, on which rank) and a peer's short combine input.
-MORI_DEVICE constexpr uint64_t TimeoutDetail(WaitId wait, uint64_t peer, uint64_t rank) {
-  return (uint64_t(wait) << 48) | (peer << 32) | (rank << 16);
-}
+// timed out (ep_report.hpp) and a peer's short combine input.
+using ep_report::TimeoutDetail;
 MORI_DEVICE constexpr uint64_t PeerShortDetail(uint64_t peer, uint64_t rank) { return (peer << 32) | (rank << 16); }
 
 // Spin until *flag >= target; returns the value seen, which is below target only after
 // args.timeoutNs (the timeout is recorded).
 MORI_DEVICE uint64_t WaitAtLeast(const EpArgs& a, const uint64_t* flag, uint64_t target, WaitId wait, int peer) {
-  uint64_t v = plat::load_acquire_system(flag);
-  if (v >= target) return v;
-  const uint64_t t0 = plat::now_ns();
-  while ((v = plat::load_acquire_system(flag)) < target) {
-    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      RecordError(a, kErrTimeout, TimeoutDetail(wait, peer, a.rank), target);
-      return v;
-    }
-  }
-  return v;
+  return ep_report::SpinAtLeast(flag, target, a.timeoutNs, [&](uint64_t t) {
+    RecordError(a, kErrTimeout, TimeoutDetail(wait, peer, a.rank), t);
+  });
 }
 
 // Order the block's earlier accesses (its stores, to peers too, and its loads) system-wide before
@@ -86,10 +71,8 @@ MORI_DEVICE void FenceBlockLocalDevice() {
   if (threadIdx.x == 0) plat::fence_device();
 }
 
-// This block's share of a done counter's kDoneUnit: a rank's blocks add the unit in all per epoch,
-// whatever its grid, so no block waits for the others to count (a launch's partial sum stays below
-// a unit, so count / kDoneUnit is the epochs done even while a launch is adding).
-MORI_DEVICE uint64_t BlockShare() { return blockIdx.x == 0 ? kDoneUnit - (gridDim.x - 1) : 1; }
+// This block's share of a done counter's kDoneUnit (ep_report.hpp).
+MORI_DEVICE uint64_t BlockShare() { return ep_report::BlockShare(kDoneUnit); }
 // The combines done on this rank: its own combine-done count, in units (read at a kernel's start:
 // the shares of its own blocks cannot make a unit).
 MORI_DEVICE uint64_t CombEpoch(const EpArgs& a) { return XdbFlags(a, a.rank, kXdbCombine)[a.rank] / kDoneUnit; }

@@ -73,7 +73,7 @@ struct EpArgs {
   const int32_t* inpIndices;  // dispatch: expert ids [n, k] (int64 with ids64)
   void* outTok;  // combine: y [n, H]
   float* outWeights;  // combine: y_w [n, k] or null
-  uint64_t* errWord;  // host-mapped error words [4]: code, detail (0 = ok)
+  uint64_t* errWord;  // host-mapped error words [4]: code, detail, extra (0 = ok)
   int32_t numTokens;  // n of the dispatch call
   int32_t inpRows;  // combine: rows of the expert output (guards a short input)
   int32_t rank;  // this rank

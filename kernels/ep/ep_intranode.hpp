@@ -59,8 +59,10 @@
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.
 //
-// Files: ep_dispatch.hpp and ep_combine.hpp hold the two kernel bodies, ep_common.hpp what they share;
-// ep_layout.hpp the expert-major layout's (launched after a dispatch), ep_quant.hpp the fp8 cast.
+// Files: ep_dispatch.hpp and ep_combine.hpp hold the two kernel bodies, ep_common.hpp what they share
+// (with ep_report.hpp, shared with the internode kernels too); ep_dispatch_route.hpp the dispatch
+// round's routing; ep_layout.hpp the expert-major layout's (launched after a dispatch), ep_quant.hpp
+// the fp8 cast.
 // The combine's parts: ep_combine_words.hpp (ranges, flags and signal words, which both sides of a
 // row agree on), ep_combine_sender.hpp (the pushes) and ep_combine_summer.hpp (the waits and sums).
 #pragma once

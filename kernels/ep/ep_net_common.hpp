@@ -1,8 +1,10 @@
 // What the internode kernel families share: arena addressing, signal rows and bounded waits on
-// them, error reports, completion before a signal, warp copies, and the fp32 row sums.
+// them, error reports, completion before a signal, warp copies, and the steps both families take
+// alike (a token's distinct destination ranks, the receive count, a combine row's push, the sums).
 #pragma once
 #include "common/types.hpp"
 #include "ep/ep_net_generated.hpp"
+#include "ep/ep_report.hpp"
 
 namespace mori::epnet {
 
@@ -19,19 +21,9 @@ MORI_DEVICE uint64_t* Signals(const EpNetArgs& a, NetSignal row) {
   return Local<uint64_t>(a, a.off_signals) + uint64_t(row) * kCfg.worldSize;
 }
 
-// The first thread of this rank to fail claims the error words (sync word 0), so the host reads
-// one report whole, and it is the first error until op.reset().
+// Record a device error for the host (ep_report.hpp); sync word 0 is the claim.
 MORI_DEVICE void RecordError(const EpNetArgs& a, ErrCode code, uint64_t detail, uint64_t extra) {
-  if (plat::atomic_add_device(reinterpret_cast<unsigned*>(Local<uint64_t>(a, a.off_sync)), 1u) != 0) return;
-  volatile uint64_t* err = a.errWord;
-  err[1] = detail;
-  err[2] = extra;
-  plat::fence_system();
-  err[0] = code;
-}
-
-MORI_DEVICE constexpr uint64_t TimeoutDetail(NetWaitId wait, uint64_t peer, uint64_t rank) {
-  return (uint64_t(wait) << 48) | (peer << 32) | (rank << 16);
+  ep_report::RecordErrorWords(a, Local<uint64_t>(a, a.off_sync), code, detail, extra);
 }
 
 // A sender whose combine input is short (fewer rows than it received) tells the home rank of each
@@ -55,14 +47,9 @@ MORI_DEVICE void ReportShortPeers(const EpNetArgs& a, int worldSize, int epoch) 
 // Spin until *flag >= target (a word peers signal); gives up after args.timeoutNs and records which
 // wait, for which peer, on which rank.
 MORI_DEVICE void WaitAtLeast(const EpNetArgs& a, const uint64_t* flag, uint64_t target, NetWaitId wait, int peer) {
-  if (plat::load_acquire_system(flag) >= target) return;
-  const uint64_t t0 = plat::now_ns();
-  while (plat::load_acquire_system(flag) < target) {
-    if (plat::now_ns() - t0 > uint64_t(a.timeoutNs)) {
-      RecordError(a, kErrTimeout, TimeoutDetail(wait, peer, a.rank), target);
-      return;
-    }
-  }
+  ep_report::SpinAtLeast(flag, target, a.timeoutNs, [&](uint64_t t) {
+    RecordError(a, kErrTimeout, ep_report::TimeoutDetail(wait, peer, a.rank), t);
+  });
 }
 
 // Ranks first, first + stride, ... (count of them): every rank, a node's ranks, or the ranks of one
@@ -98,9 +85,8 @@ MORI_DEVICE uint64_t OwnCount(const EpNetArgs& a, NetSignal row) {
   return plat::load_acquire_system(Signals<kCfg>(a, row) + a.rank);
 }
 
-// This block's share of a done unit: a rank's blocks add kDoneUnit in all per epoch, whatever its
-// grid (a launch's partial sum stays below a unit, so count / kDoneUnit is the epochs done).
-MORI_DEVICE uint64_t BlockShare() { return blockIdx.x == 0 ? kDoneUnit - (gridDim.x - 1) : 1; }
+// This block's share of a done unit (ep_report.hpp).
+MORI_DEVICE uint64_t BlockShare() { return ep_report::BlockShare(kDoneUnit); }
 
 // After every thread of the block issued its stores and puts: complete them (CompleteBlock), then add
 // `value` to this rank's word of `row` on some ranks (SignalRanks). Each warp completes its own puts (a network transport
@@ -170,5 +156,91 @@ struct VecSum {
     return vec16_t{w[0], w[1], w[2], w[3]};
   }
 };
+
+// The warp's index over the grid and the grid's warps: a pass's loops stride over rows by warp.
+template <EpNetCfg kCfg>
+MORI_DEVICE int GridWarp() { return blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); }
+template <EpNetCfg kCfg>
+MORI_DEVICE int GridWarps() { return gridDim.x * kCfg.warpPerBlock; }
+
+// Warp, token t: lane j < k holds the rank of the token's j-th expert, or -1 for an invalid id and
+// for a rank an earlier lane holds (each destination rank gets the token once).
+template <EpNetCfg kCfg>
+MORI_DEVICE int DistinctDestRank(const EpNetArgs& a, int t) {
+  constexpr int kK = kCfg.numExpertPerToken;
+  const int lane = plat::lane_id();
+  const int e = lane < kK ? a.inpIndices[t * kK + lane] : -1;
+  int pe = (e >= 0 && e < NetNumExperts(kCfg)) ? e / kCfg.numExpertPerRank : -1;
+  for (int j = 0; j < kK; ++j) {
+    const int pj = plat::shfl(pe, j);
+    if (j < lane && pj == pe) pe = -1;
+  }
+  return pe;
+}
+
+// Thread 0 of dispatch_recv: publish the rows received (total_recv) and reset the slot counter. No
+// claim can land meanwhile: every writer waits for the slots-free signal that follows first.
+MORI_DEVICE void PublishTotalRecv(const EpNetArgs& a) {
+  if (threadIdx.x != 0) return;
+  int* cnt = Local<int>(a, a.off_recv_cnt);
+  *Local<int>(a, a.off_total_recv) = plat::load_volatile(cnt);
+  *cnt = 0;
+}
+
+// The combine input rows this rank sends: every received row, or the rows given when the input is
+// short (then the error is recorded and the home ranks of the missing rows are told).
+template <EpNetCfg kCfg>
+MORI_DEVICE int CombineInputRows(const EpNetArgs& a) {
+  const int total = *Local<int>(a, a.off_total_recv);
+  if (a.inpRows >= total) return total;
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    RecordError(a, kErrShortInput, uint64_t(a.rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
+  MarkShortRows(a, a.inpRows, total, kCfg.maxTokPerRank, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit + 1),
+                GridWarp<kCfg>(), GridWarps<kCfg>());
+  return a.inpRows;
+}
+
+// Warp: row i of the combine input (and its weights, when given) into `row` and `wts` on `peer`, by
+// stores where they reach it, else staged (a put's source is symmetric) and put.
+template <EpNetCfg kCfg>
+MORI_DEVICE void PushCombineRow(const EpNetArgs& a, int i, char* row, float* wts, int peer) {
+  constexpr int kK = kCfg.numExpertPerToken, kTok = NetTokenBytes(kCfg);
+  const int lane = plat::lane_id();
+  const char* inp = static_cast<const char*>(a.inpTok) + size_t(i) * kTok;
+  const float* inp_wts = a.inpWeights != nullptr ? a.inpWeights + size_t(i) * kK : nullptr;
+  if (char* p = Direct<kCfg>(a, row, peer)) {
+    WarpCopy(p, inp, kTok);
+    if (inp_wts && lane < kK) Direct<kCfg>(a, wts, peer)[lane] = inp_wts[lane];
+    return;
+  }
+  char* stage = Local<char>(a, a.off_comb_stage) + size_t(i) * kTok;
+  float* stage_wts = Local<float>(a, a.off_comb_stage_wts) + size_t(i) * kK;
+  WarpCopy(stage, inp, kTok);
+  if (inp_wts && lane < kK) stage_wts[lane] = inp_wts[lane];
+  __syncwarp();
+  transport::put_warp(row, stage, kTok, peer);
+  if (inp_wts) transport::put_warp(wts, stage_wts, kK * 4, peer);
+}
+
+// Warp, token t: out[t] (and its weights, when asked for) = the fp32 sum of the n rows of comb_recv
+// at [src[q], t]: the token's partial sums from its distinct destination ranks or nodes.
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void SumCombRows(const EpNetArgs& a, int t, const int* src, int n) {
+  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
+  const int lane = plat::lane_id();
+  const char* comb_recv = Local<char>(a, a.off_comb_recv);
+  const float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
+  for (int v = lane; v < kTok / 16; v += plat::kWaveSize) {
+    VecSum<T> acc;
+    for (int q = 0; q < n; ++q)
+      acc.add(plat::load_peer(reinterpret_cast<const vec16_t*>(comb_recv + (size_t(src[q]) * kM + t) * kTok) + v));
+    reinterpret_cast<vec16_t*>(static_cast<char*>(a.outTok) + size_t(t) * kTok)[v] = acc.pack();
+  }
+  if (a.outWeights != nullptr && lane < kK) {
+    float s = 0.f;
+    for (int q = 0; q < n; ++q) s += plat::load_peer_f32(comb_recv_wts + (size_t(src[q]) * kM + t) * kK + lane);
+    a.outWeights[t * kK + lane] = s;
+  }
+}
 
 }  // namespace mori::epnet

@@ -46,14 +46,8 @@ MORI_DEVICE void NetLlDispatchSend(const EpNetArgs& a) {
   int* stage_meta = Local<int>(a, a.off_disp_stage_meta);
   const char* inp = static_cast<const char*>(a.inpTok);
   const bool weights = a.inpWeights != nullptr;
-  const int warps = gridDim.x * kCfg.warpPerBlock;
-  for (int t = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); t < a.numTokens; t += warps) {
-    const int e = lane < kK ? a.inpIndices[t * kK + lane] : -1;
-    int pe = (e >= 0 && e < NetNumExperts(kCfg)) ? e / kCfg.numExpertPerRank : -1;
-    for (int j = 0; j < kK; ++j) {  // dedup: a lane whose rank an earlier lane holds sends nothing
-      const int pj = plat::shfl(pe, j);
-      if (j < lane && pj == pe) pe = -1;
-    }
+  for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
+    const int pe = DistinctDestRank<kCfg>(a, t);
     if (lane < kK) tok_dest[t * kK + lane] = pe;
     // one claim per destination rank, all in flight at once
     const int slot = pe >= 0 ? transport::atomic_fetch_add(recv_cnt, 1, pe) : -1;
@@ -93,64 +87,34 @@ MORI_DEVICE void NetLlDispatchRecv(const EpNetArgs& a) {
   // this rank's own done count is complete (its send pass has ended): every source reaches it
   const uint64_t target = OwnCount<kCfg>(a, kSigDispDone);
   WaitEveryRank<kCfg>(a, kSigDispDone, target, kNetWaitDispatchDone);
-  if (threadIdx.x == 0) {
-    int* cnt = Local<int>(a, a.off_recv_cnt);
-    *Local<int>(a, a.off_total_recv) = plat::load_volatile(cnt);
-    *cnt = 0;  // no claim can land now: every source waits for the signal below first
-  }
+  PublishTotalRecv(a);
   SignalEveryRank<kCfg>(a, kSigSlotsFree, 1);
 }
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetLlCombineSend(const EpNetArgs& a) {
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
-  const int rank = a.rank, lane = plat::lane_id();
-  const int total = *Local<int>(a, a.off_total_recv);
-  const int rows = total < a.inpRows ? total : a.inpRows;
-  const int warps = gridDim.x * kCfg.warpPerBlock, warp = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
-  if (a.inpRows < total) {
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-      RecordError(a, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
-    MarkShortRows(a, rows, total, kM, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit + 1), warp, warps);
-  }
+  const int rows = CombineInputRows<kCfg>(a);
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   char* comb_recv = Local<char>(a, a.off_comb_recv);
   float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
-  char* stage = Local<char>(a, a.off_comb_stage);
-  float* stage_wts = Local<float>(a, a.off_comb_stage_wts);
-  const char* inp = static_cast<const char*>(a.inpTok);
-  const bool weights = a.inpWeights != nullptr;
-  for (int i = warp; i < rows; i += warps) {
-    const int src = recv_to_src[i], home = src / kM;
-    const size_t at = size_t(rank) * kM + src % kM;
-    char* row = comb_recv + at * kTok;
-    float* wts = comb_recv_wts + at * kK;
-    if (char* p = Direct<kCfg>(a, row, home)) {
-      WarpCopy(p, inp + size_t(i) * kTok, kTok);
-      if (weights && lane < kK) Direct<kCfg>(a, wts, home)[lane] = a.inpWeights[size_t(i) * kK + lane];
-    } else {
-      WarpCopy(stage + size_t(i) * kTok, inp + size_t(i) * kTok, kTok);
-      if (weights && lane < kK) stage_wts[size_t(i) * kK + lane] = a.inpWeights[size_t(i) * kK + lane];
-      __syncwarp();
-      transport::put_warp(row, stage + size_t(i) * kTok, kTok, home);
-      if (weights) transport::put_warp(wts, stage_wts + size_t(i) * kK, kK * 4, home);
-    }
+  for (int i = GridWarp<kCfg>(); i < rows; i += GridWarps<kCfg>()) {
+    const int src = recv_to_src[i];
+    const size_t at = size_t(a.rank) * kM + src % kM;  // comb_recv[this rank, token] on the home rank
+    PushCombineRow<kCfg>(a, i, comb_recv + at * kTok, comb_recv_wts + at * kK, src / kM);
   }
   SignalEveryRank<kCfg>(a, kSigCombDone, BlockShare());
 }
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetLlCombineRecv(const EpNetArgs& a) {
-  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
+  constexpr int kK = kCfg.numExpertPerToken;
   const uint64_t target = OwnCount<kCfg>(a, kSigCombDone);
   WaitEveryRank<kCfg>(a, kSigCombDone, target, kNetWaitCombineDone);
   ReportShortPeers(a, kCfg.worldSize, int(target / kDoneUnit));
   const int lane = plat::lane_id();
   const int* tok_dest = Local<int>(a, a.off_tok_dest);
-  const char* comb_recv = Local<char>(a, a.off_comb_recv);
-  const float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
-  const int warps = gridDim.x * kCfg.warpPerBlock;
-  for (int t = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); t < a.numTokens; t += warps) {
+  for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
     const int mine = lane < kK ? tok_dest[t * kK + lane] : -1;
     int dest[kK];  // the token's distinct destination ranks, the same in every lane
     int nd = 0;
@@ -158,17 +122,7 @@ MORI_DEVICE void NetLlCombineRecv(const EpNetArgs& a) {
       const int pj = plat::shfl(mine, j);
       if (pj >= 0) dest[nd++] = pj;
     }
-    for (int v = lane; v < kTok / 16; v += plat::kWaveSize) {
-      VecSum<T> acc;
-      for (int d = 0; d < nd; ++d)
-        acc.add(plat::load_peer(reinterpret_cast<const vec16_t*>(comb_recv + (size_t(dest[d]) * kM + t) * kTok) + v));
-      reinterpret_cast<vec16_t*>(static_cast<char*>(a.outTok) + size_t(t) * kTok)[v] = acc.pack();
-    }
-    if (a.outWeights != nullptr && lane < kK) {
-      float s = 0.f;
-      for (int d = 0; d < nd; ++d) s += plat::load_peer_f32(comb_recv_wts + (size_t(dest[d]) * kM + t) * kK + lane);
-      a.outWeights[t * kK + lane] = s;
-    }
+    SumCombRows<kCfg, T>(a, t, dest, nd);
   }
 }
 

@@ -64,21 +64,17 @@ MORI_DEVICE void NetV2DispatchSend(const EpNetArgs& a) {
   int* stage_meta = Local<int>(a, a.off_relay_stage_meta);
   const char* inp = static_cast<const char*>(a.inpTok);
   const bool weights = a.inpWeights != nullptr;
-  const int warps = gridDim.x * kCfg.warpPerBlock;
-  for (int t = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); t < a.numTokens; t += warps) {
-    const int e = lane < kK ? a.inpIndices[t * kK + lane] : -1;
-    int pe = (e >= 0 && e < NetNumExperts(kCfg)) ? e / kCfg.numExpertPerRank : -1;
+  for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
+    const int pe = DistinctDestRank<kCfg>(a, t);
     uint32_t mask = 0;  // this lane's node's destination ranks (bits: local index)
     bool lead = pe >= 0;  // the first lane of its node
     for (int j = 0; j < kK; ++j) {
       const int pj = plat::shfl(pe, j);
-      if (j < lane && pj == pe) pe = -1;  // dedup by rank
       if (pj >= 0 && pe >= 0 && pj / kG == pe / kG) {
         mask |= 1u << (pj % kG);
         if (j < lane) lead = false;
       }
     }
-    lead = lead && pe >= 0;
     if (lane < kK) tok_dest[t * kK + lane] = pe;
     const int dnode = lead ? pe / kG : -1;
     const int slot = lead ? int(plat::atomic_add_device(reinterpret_cast<unsigned*>(out_cnt + dnode), 1u)) : -1;
@@ -136,8 +132,7 @@ MORI_DEVICE void NetV2DispatchForward(const EpNetArgs& a) {
   int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   int* recv_relay = Local<int>(a, a.off_recv_relay);
   const int first = rank / kG * kG;
-  const int warps = gridDim.x * kCfg.warpPerBlock;
-  for (int j = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); j < kNodes<kCfg> * kM; j += warps) {
+  for (int j = GridWarp<kCfg>(); j < kNodes<kCfg> * kM; j += GridWarps<kCfg>()) {
     const int* meta = relay_meta + size_t(j) * Meta::kWords;
     if (uint64_t(plat::load_volatile(meta + Meta::kTag)) != epoch) continue;  // (uniform: one row per warp)
     const uint32_t mask = uint32_t(meta[Meta::kMask]);
@@ -179,11 +174,7 @@ MORI_DEVICE void NetV2DispatchForward(const EpNetArgs& a) {
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetV2DispatchRecv(const EpNetArgs& a) {
   WaitRanks<kCfg>(a, kSigFwdDone, OwnCount<kCfg>(a, kSigFwdDone), kNetWaitForwardDone, NodeOf<kCfg>(a.rank));
-  if (threadIdx.x == 0) {
-    int* cnt = Local<int>(a, a.off_recv_cnt);
-    *Local<int>(a, a.off_total_recv) = plat::load_volatile(cnt);
-    *cnt = 0;  // no claim can land now: every forwarder waits for the signal below first
-  }
+  PublishTotalRecv(a);
   int* out_cnt = Local<int>(a, a.off_relay_out_cnt);  // (this rank's send pass of the next dispatch follows)
   for (int n = threadIdx.x; n < kNodes<kCfg>; n += blockDim.x) out_cnt[n] = 0;
   CompleteBlock<kCfg>();
@@ -194,38 +185,16 @@ template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetV2CombineSend(const EpNetArgs& a) {
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
   constexpr int kTok = NetTokenBytes(kCfg);
-  const int rank = a.rank, lane = plat::lane_id();
-  const int total = *Local<int>(a, a.off_total_recv);
-  const int rows = total < a.inpRows ? total : a.inpRows;
-  const int warps = gridDim.x * kCfg.warpPerBlock, warp = blockIdx.x * kCfg.warpPerBlock + plat::wave_id();
-  if (a.inpRows < total) {  // (the marks go straight to the home ranks)
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-      RecordError(a, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
-    MarkShortRows(a, rows, total, kM, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit + 1), warp, warps);
-  }
+  const int rank = a.rank;
+  const int rows = CombineInputRows<kCfg>(a);  // (a short input's marks go straight to the home ranks)
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   const int* recv_relay = Local<int>(a, a.off_recv_relay);
   char* comb_relay = Local<char>(a, a.off_comb_relay);
   float* comb_relay_wts = Local<float>(a, a.off_comb_relay_wts);
-  char* stage = Local<char>(a, a.off_comb_stage);
-  float* stage_wts = Local<float>(a, a.off_comb_stage_wts);
-  const char* inp = static_cast<const char*>(a.inpTok);
-  const bool weights = a.inpWeights != nullptr;
-  for (int i = warp; i < rows; i += warps) {
+  for (int i = GridWarp<kCfg>(); i < rows; i += GridWarps<kCfg>()) {
     const int fwd = rank / kG * kG + recv_to_src[i] / kM % kG;  // this node's rank of the source's local index
     const size_t at = size_t(recv_relay[i]) * kG + rank % kG;
-    char* row = comb_relay + at * kTok;
-    float* wts = comb_relay_wts + at * kK;
-    if (char* p = Direct<kCfg>(a, row, fwd)) {
-      WarpCopy(p, inp + size_t(i) * kTok, kTok);
-      if (weights && lane < kK) Direct<kCfg>(a, wts, fwd)[lane] = a.inpWeights[size_t(i) * kK + lane];
-    } else {
-      WarpCopy(stage + size_t(i) * kTok, inp + size_t(i) * kTok, kTok);
-      if (weights && lane < kK) stage_wts[size_t(i) * kK + lane] = a.inpWeights[size_t(i) * kK + lane];
-      __syncwarp();
-      transport::put_warp(row, stage + size_t(i) * kTok, kTok, fwd);
-      if (weights) transport::put_warp(wts, stage_wts + size_t(i) * kK, kK * 4, fwd);
-    }
+    PushCombineRow<kCfg>(a, i, comb_relay + at * kTok, comb_relay_wts + at * kK, fwd);
   }
   CompleteBlock<kCfg>();
   if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigCombDone, BlockShare(), EveryRank<kCfg>());
@@ -247,8 +216,7 @@ MORI_DEVICE void NetV2CombineForward(const EpNetArgs& a) {
   char* stage = Local<char>(a, a.off_comb_stage);
   float* stage_wts = Local<float>(a, a.off_comb_stage_wts);
   const bool weights = a.inpWeights != nullptr;
-  const int warps = gridDim.x * kCfg.warpPerBlock;
-  for (int j = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); j < kNodes<kCfg> * kM; j += warps) {
+  for (int j = GridWarp<kCfg>(); j < kNodes<kCfg> * kM; j += GridWarps<kCfg>()) {
     const int* meta = relay_meta + size_t(j) * Meta::kWords;
     if (uint64_t(plat::load_volatile(meta + Meta::kTag)) != epoch) continue;
     const uint32_t mask = uint32_t(meta[Meta::kMask]);
@@ -282,17 +250,13 @@ MORI_DEVICE void NetV2CombineForward(const EpNetArgs& a) {
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetV2CombineRecv(const EpNetArgs& a) {
-  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
-  constexpr int kTok = NetTokenBytes(kCfg);
+  constexpr int kK = kCfg.numExpertPerToken, kG = kCfg.gpuPerNode;
   WaitRanks<kCfg>(a, kSigCombFwdDone, OwnCount<kCfg>(a, kSigCombFwdDone), kNetWaitCombineForwardDone,
                   SameLocalIndex<kCfg>(a.rank));
   ReportShortPeers(a, kCfg.worldSize, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit));
   const int lane = plat::lane_id();
   const int* tok_dest = Local<int>(a, a.off_tok_dest);
-  const char* comb_recv = Local<char>(a, a.off_comb_recv);
-  const float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
-  const int warps = gridDim.x * kCfg.warpPerBlock;
-  for (int t = blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); t < a.numTokens; t += warps) {
+  for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
     const int pe = lane < kK ? tok_dest[t * kK + lane] : -1;
     int nodes[kK];  // the token's distinct destination nodes, the same in every lane
     int nn = 0;
@@ -302,17 +266,7 @@ MORI_DEVICE void NetV2CombineRecv(const EpNetArgs& a) {
       for (int q = 0; q < nn; ++q) fresh = fresh && nodes[q] != pj / kG;
       if (fresh) nodes[nn++] = pj / kG;
     }
-    for (int v = lane; v < kTok / 16; v += plat::kWaveSize) {
-      VecSum<T> acc;
-      for (int q = 0; q < nn; ++q)
-        acc.add(plat::load_peer(reinterpret_cast<const vec16_t*>(comb_recv + (size_t(nodes[q]) * kM + t) * kTok) + v));
-      reinterpret_cast<vec16_t*>(static_cast<char*>(a.outTok) + size_t(t) * kTok)[v] = acc.pack();
-    }
-    if (a.outWeights != nullptr && lane < kK) {
-      float s = 0.f;
-      for (int q = 0; q < nn; ++q) s += plat::load_peer_f32(comb_recv_wts + (size_t(nodes[q]) * kM + t) * kK + lane);
-      a.outWeights[t * kK + lane] = s;
-    }
+    SumCombRows<kCfg, T>(a, t, nodes, nn);
   }
 }
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 
 #: Each public name and the module that defines it.
-_MODULE_OF = {"EpDispatchCombineConfig": ".config", "EpDispatchCombineOp": ".op", "EpDeviceError": ".op",
-              "EpUnsupportedError": ".op", "EpPeerError": ".op", "KernelSet": ".op",
+_MODULE_OF = {"EpDispatchCombineConfig": ".config", "EpDispatchCombineOp": ".op", "EpDeviceError": ".kernel_set",
+              "EpUnsupportedError": ".kernel_set", "EpPeerError": ".arguments", "KernelSet": ".kernel_set",
               "EpDispatchResult": ".results", "EpExpertLayout": ".results", "EpCapacityError": ".results"}
 
 __all__ = list(_MODULE_OF)

@@ -16,14 +16,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
+from mori_jit.jit.args import ArgsSchema, u64
 from mori_jit.jit.codegen import GeneratedHeader, register_header
-from mori_jit.jit.expr import C, Derived, max_, where
-from mori_jit.jit.fields import CConst, ConfigError, apply_request, cfg_fields
+from mori_jit.jit.expr import C, Derived, max_
+from mori_jit.jit.fields import CConst, ConfigError, apply_request
 from mori_jit.jit.toolchain import vendor_of, wave_size_for_arch
 
+from .cfg_shared import ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, leg_io_args, rule_problems
 from .contract import ROW_ALIGN
-from .kernel_cfg import EpDType, ErrCode, FlagUnit
+from .kernel_consts import EpDType, ErrCode, FlagUnit
 
 __all__ = ["EpNetCfg", "NetWaitId", "NetSignal", "EP_NET_ARGS", "EP_NET_REGIONS", "EP_NET_MAX_RANKS", "PASSES",
            "FAMILY_PASSES",
@@ -91,15 +92,12 @@ class EpNetCfg:
             raise ConfigError(f"invalid EpNetCfg: {'; '.join(net_cfg_problems(self))}")
 
 
-NetElemBytes = Derived("NetElemBytes", "EpNetCfg", where(C.dtype.eq(EpDType.Fp32), 4, where(C.dtype.eq(EpDType.Bf16), 2, 1)),
-                       doc="bytes per payload element")
+NetElemBytes = Derived("NetElemBytes", "EpNetCfg", ELEM_BYTES, doc="bytes per payload element")
 NetTokenBytes = Derived("NetTokenBytes", "EpNetCfg", C.hiddenDim * NetElemBytes, doc="bytes per token row")
 NetBlockThreads = Derived("NetBlockThreads", "EpNetCfg", C.warpPerBlock * C.waveSize, doc="threads per block")
-NetMaxRecv = Derived("NetMaxRecv", "EpNetCfg", where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv),
-                     doc="receive capacity in rows")
+NetMaxRecv = Derived("NetMaxRecv", "EpNetCfg", MAX_RECV, doc="receive capacity in rows")
 NetNumExperts = Derived("NetNumExperts", "EpNetCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
-NetSummable = Derived("NetSummable", "EpNetCfg", C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32), ctype="bool",
-                      doc="the dtype can be reduced (combine passes)")
+NetSummable = Derived("NetSummable", "EpNetCfg", SUMMABLE, ctype="bool", doc="the dtype can be reduced (combine passes)")
 
 _RULES: list[tuple[Any, str]] = [
     (C.worldSize >= 2, "worldSize must be >= 2 (internode)"),
@@ -123,21 +121,13 @@ _RULES: list[tuple[Any, str]] = [
 ]
 
 
-def _all(exprs):
-    out = exprs[0]
-    for e in exprs[1:]:
-        out = out & e
-    return out
-
-
-NetIsValid = Derived("NetIsValid", "EpNetCfg", _all([r for r, _ in _RULES]), ctype="bool",
+NetIsValid = Derived("NetIsValid", "EpNetCfg", all_of(_RULES), ctype="bool",
                      doc="the internode kernels can be built and are correct for this config")
 
 
 def net_cfg_problems(cfg: EpNetCfg) -> list[str]:
     """Every violated rule, with the offending values."""
-    vals = ", ".join(f"{f.name}={getattr(cfg, f.name)!s}" for f in cfg_fields(cfg))
-    return [f"{msg} ({vals})" for expr, msg in _RULES if not expr.eval(cfg)]
+    return rule_problems(cfg, _RULES)
 
 
 #: Internode arena regions (name → doc), in layout order. Offsets are runtime args ``off_<name>``.
@@ -170,16 +160,7 @@ EP_NET_REGIONS: dict[str, str] = {
 }
 
 EP_NET_ARGS = ArgsSchema("EpNetArgs", [
-    ptr("inpTok", "const void", "dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]"),
-    ptr("inpWeights", "const float", "dispatch: weights [n, k]; combine: weights [>=recv, k] or null"),
-    ptr("inpIndices", "const int32_t", "dispatch: expert ids [n, k]"),
-    ptr("outTok", "void", "combine: y [n, H]"),
-    ptr("outWeights", "float", "combine: y_w [n, k] or null"),
-    ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail, extra (0 = ok)"),
-    i32("numTokens", doc="n of the dispatch call"),
-    i32("inpRows", doc="combine: rows of the expert output (guards a short input)"),
-    i32("rank", doc="this rank (the engine's PE)"),
-    i64("timeoutNs", doc="spin-wait bound in ns"),
+    *leg_io_args("dispatch: expert ids [n, k]", "this rank (the engine's PE)"),
     u64("base", doc="this rank's address of the arena (a symmetric address)"),
     *[u64(f"off_{name}", doc=doc) for name, doc in EP_NET_REGIONS.items()],
 ])

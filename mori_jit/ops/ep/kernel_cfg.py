@@ -1,7 +1,7 @@
-"""EP kernel config (``EpCfg``), its shared arithmetic, the args struct and the arena regions.
-
-This module is the one declaration of each: the C++ header ``kernels/ep/ep_generated.hpp`` is
-generated from it, and :func:`make_ep_cfg` is the one place that turns a request into an EpCfg
+"""EP kernel config (``EpCfg``): its fields, derived arithmetic, validity rules, region sizes, and
+the generated header ``kernels/ep/ep_generated.hpp`` (with the constants of ``kernel_consts`` and
+the regions and args struct of ``kernel_args``, re-exported here). This module is the one
+declaration of each, and :func:`make_ep_cfg` is the one place that turns a request into an EpCfg
 (arch defaults, then the request, then ``MORI_V2_EP_*`` overrides).
 """
 from __future__ import annotations
@@ -9,24 +9,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from mori_jit.jit.args import ArgsSchema, i32, i64, ptr, u64
 from mori_jit.jit.codegen import GeneratedHeader, register_header
 from mori_jit.jit.expr import C, Derived, where
-from mori_jit.jit.fields import CConst, CEnum, ConfigError, apply_request, cfg_fields
+from mori_jit.jit.fields import ConfigError, apply_request, cfg_fields
 from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 
 from . import knobs
+from .cfg_shared import ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, rule_problems
 from .contract import ROW_ALIGN
+from .kernel_args import EP_ARGS, EP_MAX_PEERS, EP_REGIONS
+from .kernel_consts import (EP_STAMP_WORDS, EP_SYNC_WORDS, SYNC_PAIRS, CombWord, EpDType, ErrCode, FlagUnit, Stamp,
+                            SyncWord, WaitId, XdbRow)
 from .tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
-__all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "FlagUnit", "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS",
-           "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "EP_MAX_COUNTED_EXPERTS", "make_ep_cfg", "region_bytes",
+__all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS", "FlagUnit",
+           "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS", "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "EP_MAX_COUNTED_EXPERTS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
            "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE", "LAYOUT",
            "EXPERT_SUM"]
 
-#: Most ranks one intranode op spans (the size of the peer-pointer array in the args).
-EP_MAX_PEERS = 8
 #: Bytes of the vectors the kernels move rows in: a token row is whole vectors (every backend
 #: refuses other hidden sizes, see config.py, so that one config is valid for all).
 EP_ROW_ALIGN = ROW_ALIGN
@@ -42,129 +43,6 @@ DISPATCH, COMBINE = "dispatch", "combine"
 #: The expert-major layout kernel (launched after a dispatch, on the dispatch's EpCfg) and the
 #: expert-major combine's local sum (launched before a float32 combine, on the combine's EpCfg).
 LAYOUT, EXPERT_SUM = "layout", "expert_sum"
-
-
-class EpDType(CEnum):
-    """Payload type of one leg. Fp8 and Fp4x2 are moved as bytes (one byte per element; for Fp4x2
-    ``hiddenDim`` counts bytes, i.e. pairs of e2m1), never summed."""
-
-    Bf16 = 0
-    Fp32 = 1
-    Fp8 = 2
-    Fp4x2 = 3
-
-    @classmethod
-    def _coerce_other(cls, value):
-        name = str(value).replace("torch.", "")
-        return {"bfloat16": cls.Bf16, "float32": cls.Fp32, "float8_e4m3fn": cls.Fp8,
-                "float8_e4m3fnuz": cls.Fp8, "float4_e2m1fn_x2": cls.Fp4x2, "uint8": cls.Fp4x2}.get(name)
-
-
-class _U64Const(CConst):
-    """Codes that kernels combine with 64-bit error words (underlying type uint64_t)."""
-
-    @classmethod
-    def ctype(cls) -> str:
-        """The C++ underlying type of the generated enum."""
-        return "uint64_t"
-
-
-class _U32Const(CConst):
-    """Words that kernels compare with 32-bit data words (underlying type uint32_t)."""
-
-    @classmethod
-    def ctype(cls) -> str:
-        """The C++ underlying type of the generated enum."""
-        return "uint32_t"
-
-
-class CombWord(_U32Const):
-    """The 32-bit words of the low-latency combine's rows (`comb_recv`) that are not data.
-
-    There, each word of a pushed row is its own arrival signal (no fence, no range flag). A word
-    the home rank has summed is set back to kEmptyWord (the host fills the region with 0xFF bytes);
-    a row the sender had no input for (a short input) arrives as kShortWord words. A data word equal
-    to either (a NaN, of a bf16 pair or an fp32) is sent as kCanonWord, another NaN, so the home
-    rank never mistakes data for them."""
-
-    kEmptyWord = 0xFFFFFFFF
-    kShortWord = 0xFFFFFFFE
-    kCanonWord = 0xFFFFFFFD
-
-
-class WaitId(_U64Const):
-    """Which spin-wait timed out (the high bits of the error detail word)."""
-
-    kWaitDispatchDone = 1
-    kWaitCombineDone = 2
-    kWaitCombineRange = 3
-    kWaitCombineRows = 4
-
-
-class ErrCode(_U64Const):
-    """Device error codes (word 0 of the host-mapped error words; 0 = no error)."""
-
-    kErrTimeout = 0x4D4F5249  # "MORI": a spin-wait gave up after the timeout
-    kErrShortInput = 0x53484F52  # "SHOR": the combine input has fewer rows than were received
-    kErrPeerShortInput = 0x50534852  # "PSHR": a peer's short combine input left some of our tokens without its rows
-    kErrCapacity = 0x43415041  # "CAPA": a local expert received more pairs than the expert-major layout holds
-
-
-class XdbRow(CConst):
-    """Rows of the cross-device `xdb` region, each indexed by the writing rank."""
-
-    kXdbDispatch = 0  # dispatch done (a count: FlagUnit.kDoneUnit per epoch)
-    kXdbCombine = 1  # combine done reading (a count: FlagUnit.kDoneUnit per epoch)
-    kXdbNumTok = 2  # token count of the writer's last dispatch
-
-
-class SyncWord(CConst):
-    """Words of the local `sync` region (u64, kernel-only; a claim counter is two, by epoch parity).
-
-    A combine resets the other parity's claim counters at its start (the last combine that used
-    them is done, by stream order), so no block has to wait for the others to reset them."""
-
-    kDispEpoch = 0  # the last dispatch's epoch (device-side: no host sync)
-    kCombSendNext = 1  # (and word 2) the combine's next send task to claim, by epoch parity
-    kCombSumNext = 3  # (and word 4) the combine's next range to sum, by epoch parity
-    kErrClaim = 5  # threads that failed since the last reset (RecordError; only the first reports)
-
-
-#: The claim counters: two words each (the word and the next), by epoch parity.
-SYNC_PAIRS = (SyncWord.kCombSendNext, SyncWord.kCombSumNext)
-#: Words of the `sync` region (a pair's second word included).
-EP_SYNC_WORDS = max(*SyncWord, *(w + 1 for w in SYNC_PAIRS)) + 1
-
-
-class FlagUnit(_U64Const):
-    """How far a done counter moves per epoch."""
-
-    # a rank's dispatch-done and combine-done counters (on every rank, its own too: its own
-    # combine-done count is its combine epoch): its blocks add this in all per epoch, whatever its
-    # grid (block 0 adds kDoneUnit - (grid - 1), every other block 1), so no block waits for another
-    kDoneUnit = 1 << 20
-
-
-class Stamp(CConst):
-    """Phase-timestamp slots of the `stamps` region (globaltimer ns of the last call)."""
-
-    kStDispStart = 0
-    kStDispLoopDone = 1
-    kStDispCounted = 2  # the latest block's done count sent (atomic max)
-    kStDispPeersDone = 3
-    kStDispEnd = 4
-    kStDispClaimed = 5
-    kStCombStart = 8
-    kStCombFirstRange = 9
-    kStCombSent = 10  # the latest sender's finish (atomic max)
-    kStCombSummed = 11  # the latest block's sums computed, before its last output stores (atomic max)
-    kStCombEnd = 12  # the latest block's done counts sent (atomic max)
-    kStCombFlagsSeen = 13  # the latest time a summer saw its range's flags (low latency: had its rows) (atomic max)
-    kStCombFirstStore = 14  # block 0 may push (past its wait for the peers' last combine; its first rows' loads issued)
-
-
-#: Words of the `stamps` region.
-EP_STAMP_WORDS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,12 +93,10 @@ class EpCfg:
             raise ConfigError(f"invalid EpCfg: {'; '.join(ep_cfg_problems(self))}")
 
 
-EpElemBytes = Derived("EpElemBytes", "EpCfg", where(C.dtype.eq(EpDType.Fp32), 4,
-                                                    where(C.dtype.eq(EpDType.Bf16), 2, 1)),
-                      doc="bytes per payload element")
+EpElemBytes = Derived("EpElemBytes", "EpCfg", ELEM_BYTES, doc="bytes per payload element")
 EpTokenBytes = Derived("EpTokenBytes", "EpCfg", C.hiddenDim * EpElemBytes, doc="bytes per token row")
 EpBlockThreads = Derived("EpBlockThreads", "EpCfg", C.warpPerBlock * C.waveSize, doc="threads per block")
-EpMaxRecv = Derived("EpMaxRecv", "EpCfg", where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv),
+EpMaxRecv = Derived("EpMaxRecv", "EpCfg", MAX_RECV,
                     doc="receive capacity in rows; also the stride of the flat index pe*maxRecv+slot")
 EpNumExperts = Derived("EpNumExperts", "EpCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
 # Tokens per combine range (see ep_combine_words.hpp): 2, or 1 for a low-latency combine whose every
@@ -235,7 +111,7 @@ EpBulkStages = Derived("EpBulkStages", "EpCfg", where(C.bulkMinTokens > 0, 4, 0)
                        doc="rows in flight per dispatch block through the bulk-copy unit (0: none)")
 EpBulkSmemBytes = Derived("EpBulkSmemBytes", "EpCfg", EpBulkStages * EpTokenBytes,
                           doc="dynamic shared memory of a dispatch block: its bulk-copy stages")
-EpSummable = Derived("EpSummable", "EpCfg", C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32), ctype="bool",
+EpSummable = Derived("EpSummable", "EpCfg", SUMMABLE, ctype="bool",
                      doc="the dtype can be reduced (combine leg)")
 
 # Each validity rule once, with its message; EpIsValid is their conjunction (emitted to C++ too).
@@ -276,66 +152,14 @@ _RULES: list[tuple[Any, str]] = [
 ]
 
 
-def _all(exprs):
-    out = exprs[0]
-    for e in exprs[1:]:
-        out = out & e
-    return out
-
-
-EpIsValid = Derived("EpIsValid", "EpCfg", _all([r for r, _ in _RULES]), ctype="bool",
+EpIsValid = Derived("EpIsValid", "EpCfg", all_of(_RULES), ctype="bool",
                     doc="the kernels can be built and are correct for this config")
 
 
 def ep_cfg_problems(cfg: EpCfg) -> list[str]:
     """Every violated rule, with the offending values."""
-    vals = ", ".join(f"{f.name}={getattr(cfg, f.name)!s}" for f in cfg_fields(cfg))
-    return [f"{msg} ({vals})" for expr, msg in _RULES if not expr.eval(cfg)]
+    return rule_problems(cfg, _RULES)
 
-
-#: Symmetric-arena regions (name → doc). Offsets are runtime args ``off_<name>``, never Cfg fields.
-EP_REGIONS: dict[str, str] = {
-    "disp_out": "received token rows [maxRecv, tokenBytes] (written by peers)",
-    "out_wts": "received weights [maxRecv, k] f32 (written by peers)",
-    "out_idx": "received expert ids [maxRecv, k] i32 (i64 with ids64) (written by peers)",
-    "recv_to_src": "reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)",
-    "tok_off": "forward map [M, k] i32: pe*maxRecv + slot, -1 for dropped/duplicate slots (local)",
-    "recv_num": "slot counters [2] i32, by epoch parity (peers add atomically)",
-    "total_recv": "received rows of the last dispatch [1] i32 (local)",
-    "src_to_recv": "slot of each source token here [ws, M] i64: dispatch epoch << 32 | slot (written by peers)",
-    "comb_recv": "combine rows pushed by peers [ws, M, combine tokenBytes], by source rank and token (written by peers); low latency: a word is kEmptyWord until written and once summed (CombWord)",
-    "comb_recv_wts": "combine weights pushed by peers [ws, M, k] f32 (written by peers); low latency: u64, combine epoch << 32 | f32 bits",
-    "comb_flags": "combine range-ready flags [ws, M] u64, by source rank and token range: 2*epoch, +1 if the sender's input was short (written by peers); none with low latency",
-    "xdb": "cross-device words [XdbRow, EP_MAX_PEERS] u64, by writing rank: dispatch-done, combine-done, token count",
-    "sync": "local sync words [SyncWord] u64: claim counters (by epoch parity), the dispatch epoch, the error-report claim",
-    "stamps": "phase timestamps [EP_STAMP_WORDS] u64 (globaltimer ns, slots: Stamp) of the last call, for profiling (local)",
-    "out_scales": "received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales",
-    "expert_adds": "received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts",
-    "expert_counts": "the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts",
-    "exp_cursor": "expert-major layout: next entry per local expert [numExpertPerRank] u32 (local; the dispatch zeroes it, the layout kernel claims); none without expertCapacity",
-    "exp_x": "expert-major layout: rows [numExpertPerRank, expertCapacity, tokenBytes] (local)",
-    "exp_scales": "expert-major layout: scales [numExpertPerRank, expertCapacity, scaleDim * scaleTypeSize bytes] (local)",
-    "exp_wts": "expert-major layout: each entry's top-k weight [numExpertPerRank, expertCapacity] f32, 0 on padding (local)",
-    "exp_maps": "expert-major layout: receive row, source (srcRank*M + srcTok), top-k slot [3, numExpertPerRank, expertCapacity] i32, -1 on padding (local)",
-    "exp_entry": "expert-major layout: the entry e*expertCapacity + c of each received (row, top-k slot) [maxRecv, k] i32, -1 for none (local)",
-}
-
-EP_ARGS = ArgsSchema("EpArgs", [
-    ptr("inpTok", "const void", "dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]"),
-    ptr("inpWeights", "const float", "dispatch: weights [n, k]; combine: weights [>=recv, k] or null"),
-    ptr("inpIndices", "const int32_t", "dispatch: expert ids [n, k] (int64 with ids64)"),
-    ptr("outTok", "void", "combine: y [n, H]"),
-    ptr("outWeights", "float", "combine: y_w [n, k] or null"),
-    ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail (0 = ok)"),
-    i32("numTokens", doc="n of the dispatch call"),
-    i32("inpRows", doc="combine: rows of the expert output (guards a short input)"),
-    i32("rank", doc="this rank"),
-    i64("timeoutNs", doc="spin-wait bound in ns"),
-    u64("peerBase", EP_MAX_PEERS, "arena base address of every rank, by rank"),
-    *[u64(f"off_{name}", doc=doc) for name, doc in EP_REGIONS.items()],
-    ptr("inpScales", "const void", "dispatch: per-token scales [n, scaleDim] of scaleTypeSize bytes, or null"),
-    i32("replay", doc="dispatch (routingReplay): 1 = move the payload along the latest dispatch's routing"),
-])
 
 register_header(GeneratedHeader(
     "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[CombWord, WaitId, ErrCode, XdbRow, SyncWord, FlagUnit, Stamp], cfgs=[EpCfg],

@@ -12,22 +12,21 @@ per device, memory kind) → arena → every variant compiled → launches.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import importlib
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .arena import SymmArena, keep_until_exit
 from .config import EpDispatchCombineConfig
-from .arguments import (ROW_ALIGN, EpPeerError, agree_on_arguments, byte_span, expect_latest_routing, expect_tensor,
-                        refuse_overlaps)
-from .arguments_moe import check_expert_major_input, check_replay, check_scales
+from .arguments import EpPeerError, agree_on_arguments, byte_span
+from .arguments_moe import check_expert_major_input
+from .kernel_set import EpDeviceError, EpUnsupportedError, KernelSet
+from .op_checks import check_combine_args, check_dispatch_args
 from .results import EpDispatchResult
 from .peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
-from .schedule import Schedule
 
 _log = logging.getLogger(__name__)
 
@@ -35,57 +34,6 @@ __all__ = ["EpDispatchCombineOp", "KernelSet", "EpUnsupportedError", "EpDeviceEr
 
 _BACKENDS = {"hip": "mori_jit.ops.ep.backend_hip:EpDispatchCombineOpHip",
              "torch": "mori_jit.ops.ep.backend_torch:EpDispatchCombineOpTorch"}
-
-
-class EpUnsupportedError(NotImplementedError):
-    """The chosen backend cannot serve this config; the message lists everything missing."""
-
-
-class EpDeviceError(RuntimeError):
-    """A kernel recorded an error (a timed-out wait, a short combine input); the op needs ``reset()``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelSet:
-    """What a backend built. Callables take a bucket index first (see ``EpDispatchCombineOp._pick``).
-
-    ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``,
-    plus a seventh ``(expert_counts, expert_layout)`` from backends with the MoE outputs
-    (:class:`~mori_jit.ops.ep.results.EpDispatchResult`); ``replay(v, x, weights, scales, routing)``
-    the same along an earlier routing (None: no replay);
-    ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
-    output tensors or None); ``combine_expert_major(v, inp, routing, out)`` → ``y`` (None: no
-    expert-major layout). ``bound_launches``, for diagnostics (``tools/profile_ep_host.py``):
-    per leg (``"dispatch"``, ``"combine"``), each bucket's zero-argument launch
-    (:meth:`mori_jit.jit.plan.Plan.bind_struct`) of the args struct the leg's last call filled.
-    """
-
-    dispatch: Callable[..., tuple]
-    combine: Callable[..., tuple]
-    schedule: Schedule
-    capabilities: frozenset[str]  # e.g. "graph": no host work between rounds, so a step can be captured
-    check: Callable[[], None] = lambda: None
-    reset: Callable[[], None] = lambda: None
-    combine_input_buffer: Optional[Callable[[], torch.Tensor]] = None
-    close: Callable[[], None] = lambda: None
-    bound_launches: dict[str, tuple[Callable[[], None], ...]] = dataclasses.field(default_factory=dict)
-    replay: Optional[Callable[..., tuple]] = None
-    combine_expert_major: Optional[Callable[..., torch.Tensor]] = None
-
-
-#: The in-op quantizations the ``hip`` kernels do (``EpCfg.quantFp8Block128``).
-HIP_QUANT_TYPES = (None, "none", "fp8_e4m3_block128")
-
-
-def gather_unquantized_gaps(cfg: EpDispatchCombineConfig) -> list[str]:
-    """The ``hip`` backend's gaps of combine and quantization: only gather combine, and only the
-    in-op quantizations its kernels do."""
-    missing = []
-    if cfg.combine_mode != "gather":
-        missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
-    if cfg.quant_type not in HIP_QUANT_TYPES:
-        missing.append(f"quant_type={cfg.quant_type!r} (pass already-quantized payloads instead)")
-    return missing
 
 
 def _backend_class(name: str) -> type:
@@ -286,24 +234,7 @@ class EpDispatchCombineOp(abc.ABC):
 
     def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""
-        cfg, dev = self.cfg, self.device
-        if routing is not None and k.replay is None:
-            raise EpUnsupportedError("routing replay (dispatch(routing=...)) is not supported")
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
-        n = input.shape[0] if input.dim() == 2 else -1
-        if n > cfg.max_num_inp_token_per_rank:
-            raise ValueError(f"input: {n} tokens exceed max_num_inp_token_per_rank={cfg.max_num_inp_token_per_rank}")
-        expect_tensor("input", input, self._in_dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
-        if routing is not None:
-            check_replay(cfg, routing, self._routing, n, EpUnsupportedError)
-        if weights is not None:
-            expect_tensor("weights", weights, torch.float32, (n, cfg.num_experts_per_token), dev)
-        if scales is not None or self._scales_required:
-            check_scales(cfg, scales, n, dev, "scales" in k.capabilities, EpUnsupportedError)
-        if routing is None or indices is not None:
-            expect_tensor("indices", indices, cfg.index_dtype, (n, cfg.num_experts_per_token), dev)
-        return n
+        return check_dispatch_args(self, k, input, weights, scales, indices, routing)
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
                 indices: Optional[torch.Tensor] = None, *, routing, out: Optional[torch.Tensor] = None,
@@ -351,28 +282,4 @@ class EpDispatchCombineOp(abc.ABC):
 
     def _check_combine(self, input, weights, routing, out, out_weights) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""
-        cfg, dev, dtype = self.cfg, self.device, self._comb_dtype
-        expect_latest_routing(routing, self._routing)
-        if not isinstance(input, torch.Tensor) or input.dim() != 2:
-            raise ValueError(f"input: expected a 2-D tensor [rows, {cfg.hidden_dim}]")
-        rows = input.shape[0]
-        if rows > self._cap:
-            raise ValueError(f"input: {rows} rows exceed the receive capacity {self._cap}")
-        expect_tensor("input", input, dtype, (rows, cfg.hidden_dim), dev, ROW_ALIGN)
-        if weights is not None:
-            expect_tensor("weights", weights, torch.float32, (rows, cfg.num_experts_per_token), dev)
-        total = getattr(routing, "total_recv", None)
-        if type(total) is int and rows < total:  # (a host count: backends whose routing knows it)
-            raise ValueError(f"input: {rows} rows, but dispatch received {total}; pass every received row's output")
-        n = routing.num_tokens
-        if out is not None or out_weights is not None:
-            if out is not None:
-                expect_tensor("out", out, dtype, (n, cfg.hidden_dim), dev, ROW_ALIGN)
-            if out_weights is not None:
-                if weights is None:
-                    raise ValueError("out_weights: given without weights (there are no weights to combine)")
-                expect_tensor("out_weights", out_weights, torch.float32, (n, cfg.num_experts_per_token), dev)
-            # the kernel reads the inputs, and the peers the arena, while it writes the outputs
-            refuse_overlaps((("out", out), ("out_weights", out_weights)),
-                             (("input", input), ("weights", weights)), ("the op's symmetric buffers", self._arena_span))
-        return n
+        return check_combine_args(self, input, weights, routing, out, out_weights)

@@ -14,10 +14,10 @@ import torch
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from .kernel_cfg import (COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EP_MAX_PEERS, EpCfg, EpDType,
+from .kernel_cfg import (COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EpCfg, EpDType,
                          EpIsValid, EpRangeTok, make_ep_cfg, region_bytes)
 from .config import EpDispatchCombineConfig
-from .op import gather_unquantized_gaps
+from .hip_gaps import hip_gaps
 from .schedule import Schedule
 from .tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
 
@@ -27,22 +27,6 @@ __all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS"
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
 DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
                    "gfx942": 304, "gfx950": 256}
-
-
-def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]:
-    """What the ``hip`` op's kernels cannot do for ``cfg`` on ``arch`` (None: this torch build's
-    GPUs) (empty = they can); the live op adds the device check, ``mori-jit precompile --ep``
-    refuses the same configs."""
-    missing = gather_unquantized_gaps(cfg)
-    if cfg.is_internode:  # (the internode kernels: their own limits)
-        from .internode_variants import internode_gaps
-        missing.extend(internode_gaps(cfg, arch))
-        if cfg.moe_options_in_use():
-            missing.append(f"the MoE-layer options on the internode kernels ({', '.join(cfg.moe_options_in_use())}): "
-                           f"intranode only")
-    elif cfg.world_size > EP_MAX_PEERS:
-        missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS} (intranode)")
-    return missing
 
 
 def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
