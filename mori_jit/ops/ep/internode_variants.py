@@ -21,6 +21,7 @@ from .config import EpDispatchCombineConfig
 from .internode_cfg import EP_NET_MAX_RANKS, FAMILY_PASSES, EpNetCfg, make_net_cfg
 from .internode_tuning import net_rows
 from .kernel_cfg import EpDType
+from .grid_share import check_num_cus, check_pin, grid_budget
 from .schedule import Schedule
 
 __all__ = ["NetVariants", "net_variants", "internode_gaps", "bucket_families", "BUILT_FAMILIES"]
@@ -120,16 +121,15 @@ def net_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_pe
     """Every EpNetCfg the internode op for ``cfg`` on ``arch`` launches, by bucket, on a device of
     ``num_cus`` SMs that ``ranks_per_device`` ranks share. A geometry pin beyond the rank's share,
     or a family that is not built, raises ConfigError."""
-    from .variants import _check_num_cus, _check_pin, _grid_budget
 
-    _check_num_cus(num_cus)
+    check_num_cus(num_cus)
     if ranks_per_device < 1:
         raise ConfigError(f"ranks_per_device={ranks_per_device}: expected >= 1")
     gaps = internode_gaps(cfg, arch)
     if gaps:
         raise ConfigError("; ".join(gaps))
-    budget = _grid_budget(num_cus, ranks_per_device)
-    rows = _rows(cfg, arch, budget, lambda what, b: _check_pin(what, b, budget, num_cus, ranks_per_device))
+    budget = grid_budget(num_cus, ranks_per_device)
+    rows = _rows(cfg, arch, budget, lambda what, b: check_pin(what, b, budget, num_cus, ranks_per_device))
     edges = _edges(cfg, [r[0] for r in rows])
     families = bucket_families(cfg, edges)
     common = {"worldSize": cfg.world_size, "gpuPerNode": cfg.gpu_per_node, "hiddenDim": cfg.hidden_dim,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .torch_compat import torch_before
+
 __all__ = ["NvshmemProvider", "nvshmem_gap", "BACKEND"]
 
 #: torch's name of the backend
@@ -62,8 +64,7 @@ class NvshmemProvider:
         if why:
             raise RuntimeError(f"NVSHMEM arena: {why}")
         _use_nvshmem_backend(symm_mem, device)
-        from .symm_memory import _torch_before
-        if _torch_before(2, 9) and hasattr(symm_mem, "enable_symm_mem_for_group"):  # (a no-op after)
+        if torch_before(2, 9) and hasattr(symm_mem, "enable_symm_mem_for_group"):  # (a no-op after)
             symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)  # NVSHMEM bootstraps over its store
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buf, group.group_name)

@@ -23,6 +23,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .torch_compat import torch_before
+
 __all__ = ["MemoryProvider", "TorchSymmMemProvider", "IpcMemoryProvider", "make_provider", "check_peer_blocks"]
 
 
@@ -52,7 +54,7 @@ class TorchSymmMemProvider:
 
         group = group or dist.group.WORLD
         name = group.group_name
-        if _torch_before(2, 9) and hasattr(symm_mem, "enable_symm_mem_for_group"):  # a deprecated no-op after
+        if torch_before(2, 9) and hasattr(symm_mem, "enable_symm_mem_for_group"):  # a deprecated no-op after
             symm_mem.enable_symm_mem_for_group(name)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buf, name)
@@ -67,11 +69,6 @@ class TorchSymmMemProvider:
 
     def release(self, tensor: torch.Tensor) -> None:
         self._handle = None
-
-
-def _torch_before(major: int, minor: int) -> bool:
-    parts = torch.__version__.split(".")
-    return (int(parts[0]), int(parts[1])) < (major, minor)
 
 
 def check_peer_blocks(blocks: list[tuple[str, int]]) -> None:

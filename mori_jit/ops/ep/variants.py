@@ -18,6 +18,7 @@ from .kernel_cfg import (COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THR
                          EpIsValid, EpRangeTok, make_ep_cfg, region_bytes)
 from .config import EpDispatchCombineConfig
 from .hip_gaps import hip_gaps
+from .grid_share import check_num_cus, check_pin, grid_budget
 from .schedule import Schedule
 from .tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
 
@@ -35,11 +36,6 @@ def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
     return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size,
             "expertCounts": cfg.expert_counts, "routingReplay": cfg.routing_replay,
             "quantFp8Block128": cfg.quant_type == "fp8_e4m3_block128", "expertCapacity": cfg.expert_capacity}
-
-
-def _check_num_cus(num_cus) -> None:
-    if isinstance(num_cus, bool) or not isinstance(num_cus, int) or num_cus < 1:
-        raise ConfigError(f"num_cus={num_cus!r}: expected the device's CU/SM count, an int >= 1")
 
 
 def ep_dtype(torch_dtype) -> EpDType:
@@ -101,24 +97,10 @@ def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
             and EpIsValid(probe))
 
 
-def _grid_budget(num_cus: int, ranks_per_device: int) -> int:
-    """The blocks one rank's grid may have: its share of the device's CUs/SMs. Ranks that share a
-    device spin-wait on each other, so every rank's grid must be resident beside the others'."""
-    return max(1, num_cus // ranks_per_device)
-
-
-def _check_pin(what: str, blocks: int, budget: int, num_cus: int, ranks_per_device: int, hint: str = "") -> None:
-    if blocks > budget:
-        share = (f"this rank's share of the {num_cus} CUs/SMs of a device that {ranks_per_device} ranks share"
-                 if ranks_per_device > 1 else f"the {num_cus} CUs/SMs of the device")
-        raise ConfigError(f"{what}={blocks} exceeds {budget}, {share}: the kernels wait on their peers, so every "
-                          f"block of every rank must be resident at once; pin at most {budget} (or leave it unset){hint}")
-
-
 def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool,
               ranks_per_device: int = 1) -> Schedule:
-    budget = _grid_budget(num_cus, ranks_per_device)
-    check = lambda what, blocks: _check_pin(what, blocks, budget, num_cus, ranks_per_device)  # noqa: E731
+    budget = grid_budget(num_cus, ranks_per_device)
+    check = lambda what, blocks: check_pin(what, blocks, budget, num_cus, ranks_per_device)  # noqa: E731
     if cfg.schedule is not None:
         for b in cfg.schedule:
             check(f"schedule bucket {tuple(b)!r} dispatch blocks", b[1])
@@ -145,12 +127,12 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
     """Every EpCfg the op for ``cfg`` on ``arch`` launches, by bucket, on a device of ``num_cus``
     CUs/SMs that ``ranks_per_device`` ranks of the group share (each sizes its grids to its share).
     A geometry pin beyond the share raises ConfigError."""
-    _check_num_cus(num_cus)
+    check_num_cus(num_cus)
     if ranks_per_device < 1:
         raise ConfigError(f"ranks_per_device={ranks_per_device}: expected >= 1")
     low = combine_low_latency(cfg, arch)
     sched = _schedule(cfg, num_cus, arch, low, ranks_per_device)
-    budget = _grid_budget(num_cus, ranks_per_device)
+    budget = grid_budget(num_cus, ranks_per_device)
     common = {"worldSize": cfg.world_size, "hiddenDim": cfg.hidden_dim, "maxTokPerRank": cfg.max_num_inp_token_per_rank,
               "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
               "maxRecv": cfg.max_total_recv_tokens}
@@ -173,7 +155,7 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
 
     comb = tuple(combine(geo) for geo in sched.combine)
     for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
-        _check_pin("combine blockNum", c.blockNum, budget, num_cus, ranks_per_device, "; check MORI_V2_EP_*BLOCK_NUM")
+        check_pin("combine blockNum", c.blockNum, budget, num_cus, ranks_per_device, "; check MORI_V2_EP_*BLOCK_NUM")
         if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
             raise ConfigError(f"combine lowLatency={c.lowLatency} from MORI_V2_EP_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")
@@ -235,7 +217,7 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
         try:
             if key == "num_cus":
                 num_cus = int(raw, 0)
-                _check_num_cus(num_cus)
+                check_num_cus(num_cus)
             elif key not in fields:
                 raise ConfigError(f"unknown EP config field {key!r}; valid: num_cus, {', '.join(fields)}")
             elif key.endswith("data_type"):

@@ -1,0 +1,13 @@
+"""The torch release this process runs, for the memory providers' version-dependent calls (the
+project supports torch >= 2.9; the GPU machines run 2.11 and CI 2.13)."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["torch_before"]
+
+
+def torch_before(major: int, minor: int) -> bool:
+    """Whether this torch is older than ``major.minor``."""
+    parts = torch.__version__.split(".")
+    return (int(parts[0]), int(parts[1])) < (major, minor)
