@@ -1,5 +1,5 @@
 """The torch release this process runs, for the memory providers' version-dependent calls (the
-project supports torch >= 2.9; the GPU machines run 2.11 and CI 2.13)."""
+project supports torch >= 2.9)."""
 from __future__ import annotations
 
 import torch
