@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from ep_gpu_checks import combine_short_and_expect_reports
+from ep_gpu_checks import capture, combine_short_and_expect_reports
 from ep_gpu_checks import identity_expert as _expert
 from ep_gpu_checks import parity_with_torch as _parity
 from mori_jit.testing.gpu_world import WORLD_SIZES, placement, run_ep_job
@@ -197,14 +197,7 @@ def _graph_job(rank, ws):
                 with pytest.raises(ValueError, match="out: overlaps the op's symmetric buffers"):
                     op.combine(stage, weights=out_w, routing=routing, out=out[:m])
                 op.combine(out, weights=out_w, routing=routing)  # the collective round completes
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()  # warm-up outside capture (everything is compiled already)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = step()
+            graph, outs = capture(step)
             for _ in range(20):
                 torch.distributed.barrier()  # peers must be done checking before the next dispatch
                 x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from ep_gpu_checks import combine_short_and_expect_reports
+from ep_gpu_checks import capture, combine_short_and_expect_reports
 from ep_gpu_checks import identity_expert as _expert
 from ep_gpu_checks import parity_with_torch as _parity
 from mori_jit.testing.gpu_world import WORLD_SIZES
@@ -162,14 +162,7 @@ def _graph_job(rank, ws, gpn, family):
                     y, y_w = op.combine(out, weights=out_w, routing=routing)
                 return out, out_w, out_idx, total, routing, y, y_w
 
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()  # warm-up outside capture
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = step()
+            graph, outs = capture(step)
             for _ in range(20):
                 torch.distributed.barrier()  # peers must be done checking before the next dispatch
                 x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)

@@ -36,6 +36,7 @@ def test_moe_block_on_nccl_matches_the_dense_block(ws, mode):
 # under MPS where there are fewer GPUs); shapes are small (hidden 256, 32 tokens) to keep builds and
 # runs cheap.
 
+from ep_gpu_checks import capture  # noqa: E402
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job  # noqa: E402
 
 
@@ -295,14 +296,7 @@ def _hip_graph_job(rank, ws):
             y, y_w = op.combine(res.out, weights=res.out_weights, routing=res.routing)
             return res, y, y_w
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # warm-up outside capture (everything is compiled already)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res, y, y_w = step()
+        graph, (res, y, y_w) = capture(step)
         for _ in range(6):
             torch.distributed.barrier()  # peers must be done checking before the next dispatch
             for dst, src in zip(static, inputs()):
