@@ -31,9 +31,9 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
     if cfg.is_internode:  # (the internode kernels: their own limits)
         from .internode_variants import internode_gaps
         missing.extend(internode_gaps(cfg, arch))
-        if cfg.moe_options_in_use():
-            missing.append(f"the MoE-layer options on the internode kernels ({', '.join(cfg.moe_options_in_use())}): "
-                           f"intranode only")
+        moe = cfg.moe_options_in_use()
+        if moe:
+            missing.append(f"the MoE-layer options on the internode kernels ({', '.join(moe)}): intranode only")
     elif cfg.world_size > EP_MAX_PEERS:
         missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS} (intranode)")
     return missing
