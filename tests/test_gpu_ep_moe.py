@@ -110,7 +110,9 @@ def _sorted_by_source(res, t):
 
 
 def _bytes(t):
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+    """Each row's bytes (``[rows, bytes per row]``; zero rows too)."""
+    b = t.contiguous().view(torch.uint8)
+    return b.flatten(1) if b.dim() > 1 else b.unsqueeze(1)
 
 
 def _hip_parity(res, ref):

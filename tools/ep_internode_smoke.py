@@ -1,7 +1,7 @@
 """Internode dispatch + combine rounds (NVSHMEM) with step-by-step progress; prints PASS, FAIL or SKIP.
 
     PYTHONPATH=. python3 tools/ep_internode_smoke.py [--family v2_ll|v2|auto] [--ws 2] [--gpu-per-node 1]
-        [--hidden 2048] [--k 4] [--m 32] [--rounds 3]
+        [--hidden 2048] [--k 4] [--m 32] [--rounds 3] [--host-reps 0]
 
 Ranks go round-robin over the visible GPUs (``mori_jit/testing/gpu_world.py``); ranks that share a
 GPU run under CUDA MPS (started here when none runs and this is root) with each rank's
@@ -20,7 +20,42 @@ import torch
 
 from ep_smoke_rounds import log, smoke_rounds
 
-def _job(rank, ws, gpn, hidden, k, m, rounds, family):
+def _host_us(rank, op, m, reps):
+    """Median and 10th percentile µs of the Python side of ``reps`` dispatch and combine calls
+    (every rank makes the same calls; the GPU is synced every 32 rounds, so launches never queue up)."""
+    import statistics
+    import time
+
+    from mori_jit.ops.ep.golden import make_inputs
+
+    cfg = op.cfg
+    x, w, idx = make_inputs(rank, m, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts, torch.bfloat16,
+                            _device(), torch.Generator().manual_seed(rank))
+    out, out_w, *_, routing = op.dispatch(x, w, None, idx, return_routing=True)
+    times = {"dispatch": [], "combine": []}
+    for i in range(reps):
+        if i % 32 == 0:
+            torch.cuda.synchronize()
+            torch.distributed.barrier()
+        t0 = time.perf_counter()
+        out, out_w, *_, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        t1 = time.perf_counter()
+        op.combine(out, weights=out_w, routing=routing)
+        times["dispatch"].append(t1 - t0), times["combine"].append(time.perf_counter() - t1)
+    torch.cuda.synchronize()
+    op.check()
+    for name, xs in times.items():
+        xs.sort()
+        log(rank, f"host {name}: median {statistics.median(xs) * 1e6:.2f} us, p10 {xs[reps // 10] * 1e6:.2f} us "
+                  f"({reps} calls, {m} tokens)")
+
+
+def _device() -> torch.device:
+    """This rank's GPU."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _job(rank, ws, gpn, hidden, k, m, rounds, family, host_reps=0):
     faulthandler.dump_traceback_later(90, exit=False)
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
 
@@ -34,7 +69,9 @@ def _job(rank, ws, gpn, hidden, k, m, rounds, family):
                   f"{op.arena.tensor.numel()} bytes; peers reached by loads/stores (P2P) {p2p}, by puts only "
                   f"{sorted(set(range(ws)) - set(p2p))}; "
                   f"same node as this rank {[pe for pe in range(ws) if pe // gpn == rank // gpn]}")
-        smoke_rounds(op, rounds, torch.device("cuda", torch.cuda.current_device()))
+        smoke_rounds(op, rounds, _device())
+        if host_reps:
+            _host_us(rank, op, m, host_reps)
     faulthandler.cancel_dump_traceback_later()
 
 
@@ -48,6 +85,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--m", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--host-reps", type=int, default=0,
+                    help="then time the Python side of this many dispatch + combine calls")
     a = ap.parse_args()
     os.environ.setdefault("MORI_EP_TIMEOUT_S", "10")
     os.environ.setdefault("MORI_EP_UNVERIFIED", "1")  # (internode has not passed the GPU suite yet)
@@ -56,7 +95,7 @@ def main() -> int:
     from mori_jit.testing.gpu_world import stop_mps
     from mori_jit.testing.gpu_world_shmem import run_shmem_job
     try:
-        run_shmem_job(_job, a.ws, a.gpu_per_node, a.hidden, a.k, a.m, a.rounds, a.family, timeout=300)
+        run_shmem_job(_job, a.ws, a.gpu_per_node, a.hidden, a.k, a.m, a.rounds, a.family, a.host_reps, timeout=300)
     except Skipped as e:
         print(f"SKIP: {e}")
         return 2

@@ -22,6 +22,18 @@ MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<long long>(m
 
 MORI_DEVICE int popcount(uint64_t m) { return __popcll(m); }
 
+// e4m3fn bytes of (lo, hi), lo in the low byte, in one instruction where the arch has it (sm_89+):
+// round to nearest even, finite values past 448 saturate to 448, NaN stays NaN. Callers fall back
+// to a software conversion without MORI_HAS_FP8_CVT.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define MORI_HAS_FP8_CVT 1
+MORI_DEVICE uint16_t e4m3x2_from_f32(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#endif
+
 // acq_rel, not __threadfence_system()'s fence.sc: every use here is a release/acquire pairing,
 // and the SC fence is the slower one on Hopper.
 // Whether each wave must fence its own peer stores before a block barrier publishes them (and
