@@ -103,16 +103,15 @@ def test_the_live_op_refuses_internode_before_allocating(hip_version):
     run_distributed(_internode_gate_job, 2, hip_version, timeout=120)
 
 
-def test_unverified_paths_name_internode_and_each_moe_option():
+def test_unverified_paths_name_internode_only():
     import torch
 
     from mori_jit.ops.ep.unverified import unverified_paths
 
-    assert unverified_paths(_cfg()) == []  # the intranode op without MoE options has passed the GPU suite
+    assert unverified_paths(_cfg()) == []  # the intranode op has passed the GPU suite, with its MoE options
+    assert unverified_paths(_cfg(index_dtype=torch.int64, expert_counts=True, routing_replay=True)) == []
     assert unverified_paths(_cfg(gpu_per_node=1)) == [
         "internode on NVSHMEM (gpu_per_node=1 < world_size=2, internode_kernel='auto')"]
-    assert unverified_paths(_cfg(index_dtype=torch.int64, expert_counts=True)) == [
-        "the MoE-layer options in the JIT kernels (index_dtype=torch.int64, expert_counts=True)"]
 
 
 def test_internode_refuses_the_moe_options_by_name():

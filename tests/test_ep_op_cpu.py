@@ -3,7 +3,6 @@ config errors, the tuning lookup, and EpCfg construction."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 
 import subprocess
@@ -105,19 +104,10 @@ def _gate_job(rank, ws):
     with pytest.raises(EpUnsupportedError) as e:
         EpDispatchCombineOp(cfg)
     msg = str(e.value)
-    assert "combine_mode='scatter'" in msg, msg
-    # the MoE options the hip kernels have built but not yet run on a GPU: one entry naming each
-    assert ("the MoE-layer options in the JIT kernels (scale_dim=2, scale_type_size=4, quant_type=fp8_e4m3_block128, "
-            "index_dtype=torch.int64, expert_counts=True, expert_capacity=16, routing_replay=True): built, not yet "
-            "verified on a GPU (MORI_EP_UNVERIFIED=1 runs it)") in msg, msg
-    os.environ["MORI_EP_UNVERIFIED"] = "1"
-    try:  # ... which the GPU suite runs: then only the scatter combine (and the device) are missing
-        with pytest.raises(EpUnsupportedError) as e:
-            EpDispatchCombineOp(cfg)
-        msg = str(e.value)
-        assert "combine_mode='scatter'" in msg and "MoE-layer" not in msg and "not yet verified" not in msg, msg
-    finally:
-        del os.environ["MORI_EP_UNVERIFIED"]
+    # every MoE option has passed the GPU suite on the hip kernels: none of them is missing
+    assert "combine_mode='scatter'" in msg and "MoE-layer" not in msg and "not yet verified" not in msg, msg
+    for option in ("quant_type", "index_dtype", "expert_counts", "expert_capacity", "routing_replay", "scale_dim"):
+        assert option not in msg, msg
     # the torch backend serves every MoE feature of that config: only the scatter combine is missing
     with pytest.raises(EpUnsupportedError) as e:
         EpDispatchCombineOp(dataclasses.replace(cfg, kernel_backend="torch"))

@@ -40,12 +40,6 @@ from ep_gpu_checks import capture  # noqa: E402
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _run_unverified_paths(monkeypatch):
-    """These tests verify paths the live op refuses until they pass here (ops/ep/unverified.py);
-    the spawned ranks inherit the setting."""
-    monkeypatch.setenv("MORI_EP_UNVERIFIED", "1")
-
 HIP_M, HIP_H, HIP_EPR, HIP_K = 32, 256, 4, 4
 FP8, E8M0 = torch.float8_e4m3fn, getattr(torch, "float8_e8m0fnu", torch.uint8)
 #: feature -> the configs (their fields) that exercise it, on the hip and torch backends alike

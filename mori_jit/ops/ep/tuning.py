@@ -75,13 +75,18 @@ BULK_DISPATCH_MIN_TOKENS: int = 12
 #                     4096: 132x16 39.4 | 132x8 44.2
 #   EP1 combine        128: 64x16 9.3/9.2 | 132x16 9.5/9.5 | 64x8 10.2 | 132x8 10.6
 #                     4096: 132x16 51.7 | 132x8 66.3
+#   EP1 dispatch fp8 with fp32 block scales (tools/bench_ep_moe.py; one run, 64x16 | 132x16):
+#       caller-cast rows  128: 6.4 | 6.6   512: 7.8 | 7.3   1024: 10.0 | 8.8   4096: 28.7 | 23.6
+#       in-kernel cast    128: 7.8 | 7.6   512: 10.5 | 8.5  1024: 15.1 | 11.5  4096: 59.6 | 35.9
+#       (the cast is arithmetic: every SM pays from 512 tokens; 128 is within noise, so 64 kept)
 # A combine of 132x32 spills (64 registers, 112 B of stack) and measured no faster than 132x16.
 # experts_per_rank was not varied, so the keys are exact, not wildcards. 1024 tokens was not swept:
 # it takes the 4096 geometry.
 DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
     "bf16": {(2, 7168, 8, 128): [(512, 64, 8), (None, 132, 8)],
              (1, 7168, 8, 256): [(128, 64, 8), (None, 132, 16)]},
-    "fp8": {(2, 7168, 8, 128): [(128, 64, 4), (None, 132, 8)]},
+    "fp8": {(2, 7168, 8, 128): [(128, 64, 4), (None, 132, 8)],
+            (1, 7168, 8, 256): [(128, 64, 16), (None, 132, 16)]},
 }
 # (world_size, hidden, topk, experts_per_rank | None) -> buckets
 COMBINE_TABLE: dict[tuple, list[Bucket]] = {
