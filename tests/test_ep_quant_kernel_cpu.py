@@ -5,6 +5,7 @@ functions (the GPU suite compares the dispatch's rows with the torch backend's).
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 
@@ -140,3 +141,31 @@ def test_the_kernel_fp8_conversion_is_torchs_on_every_float_class(lib):
                                           1.0625, 1.1875, 1e-9])])  # (ties round to even; denormals)
     got = torch.tensor([lib.fp8_of(float(v)) for v in vals], dtype=torch.uint8)
     assert torch.equal(got, vals.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+_DEVICE_PROBE = r"""
+#include "platform/nvidia.hpp"
+#include "ep/ep_quant.hpp"
+extern "C" __global__ void probe(const mori::plat::vec16_t* in, mori::plat::vec16_t* out, float inv) {
+  out[threadIdx.x] = mori::ep::QuantizeVec(in[2 * threadIdx.x], in[2 * threadIdx.x + 1], inv);
+}
+"""
+
+
+@pytest.mark.parametrize("arch, hardware", [("sm_90a", True), ("sm_80", False)])
+def test_the_device_cast_uses_the_hardware_conversion_where_the_arch_has_it(tmp_path, arch, hardware):
+    """sm_89+ converts a pair per cvt.rn.satfinite.e4m3x2.f32 (8 per 16-byte vector); older archs
+    compile the software conversion (the host build above checks its numerics; the GPU suite the
+    instruction's, against the torch backend byte for byte)."""
+    from mori_jit.jit.toolchain import STANDARD_PLACE
+
+    nvcc = shutil.which("nvcc") or STANDARD_PLACE["nvidia"]
+    if not os.path.exists(nvcc):
+        pytest.skip("nvcc absent")
+    src, ptx = tmp_path / "probe.cu", tmp_path / "probe.ptx"
+    src.write_text(_DEVICE_PROBE)
+    p = subprocess.run([nvcc, "-ptx", f"-arch={arch}", "-std=c++20", "--expt-relaxed-constexpr",
+                        f"-I{kernels_dir()}", "-o", str(ptx), str(src)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    cvts = ptx.read_text().count("cvt.rn.satfinite.e4m3x2.f32")
+    assert cvts == (8 if hardware else 0), cvts
