@@ -1,5 +1,5 @@
 """Checks the GPU tests of the ``hip`` backend share: the identity expert, parity with the torch
-backend, a short combine input's reports, and capturing a step in a CUDA graph."""
+backend, and a short combine input's reports (graph capture: ``mori_jit.testing.cuda_graph``)."""
 from __future__ import annotations
 
 import pytest
@@ -63,17 +63,3 @@ def combine_short_and_expect_reports(op, out, out_w, routing, rows: int, total: 
     else:
         op.check()  # none of this rank's tokens lost a row: its sum is whole
     return lost
-
-
-def capture(step):
-    """Run ``step()`` once on a side stream (warm-up outside capture: everything is compiled
-    already), then capture it in a CUDA graph; returns ``(graph, what the captured step returned)``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    return graph, outs

@@ -15,9 +15,10 @@ import os
 import pytest
 import torch
 
-from ep_gpu_checks import capture, combine_short_and_expect_reports
+from ep_gpu_checks import combine_short_and_expect_reports
 from ep_gpu_checks import identity_expert as _expert
 from ep_gpu_checks import parity_with_torch as _parity
+from mori_jit.testing.cuda_graph import capture
 from mori_jit.testing.gpu_world import WORLD_SIZES
 from mori_jit.testing.gpu_world_shmem import run_shmem_job
 

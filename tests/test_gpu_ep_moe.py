@@ -36,7 +36,7 @@ def test_moe_block_on_nccl_matches_the_dense_block(ws, mode):
 # under MPS where there are fewer GPUs); shapes are small (hidden 256, 32 tokens) to keep builds and
 # runs cheap.
 
-from ep_gpu_checks import capture  # noqa: E402
+from mori_jit.testing.cuda_graph import capture  # noqa: E402
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job  # noqa: E402
 
 

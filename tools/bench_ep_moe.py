@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from mori_jit.testing.cuda_graph import capture
+
 HIDDEN, K, EXPERTS = 7168, 8, 256
 FP8 = torch.float8_e4m3fn
 QUEUE_AHEAD_CYCLES = 20_000_000
@@ -69,14 +71,7 @@ def _inputs(n, dev, gen, index_dtype=torch.int32):
 
 def _graph_us(fn, iters):
     """Median µs of back-to-back replays of a graph of ``fn``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g, _ = capture(fn)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
     torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
     ev[0].record()
