@@ -1,9 +1,12 @@
 """Checks the GPU tests of the ``hip`` backend share: the identity expert, parity with the torch
-backend, and a short combine input's reports (graph capture: ``mori_jit.testing.cuda_graph``)."""
+backend, a short combine input's reports, and a captured dispatch + combine replayed against the
+golden check."""
 from __future__ import annotations
 
 import pytest
 import torch
+
+from mori_jit.testing.cuda_graph import capture
 
 
 def identity_expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:
@@ -63,3 +66,47 @@ def combine_short_and_expect_reports(op, out, out_w, routing, rows: int, total: 
     else:
         op.check()  # none of this rank's tokens lost a row: its sum is whole
     return lost
+
+
+def dispatch_combine_step(op, x, w, idx, zero_copy: bool):
+    """A step to capture: dispatch the static inputs ``x, w, idx`` and combine the received rows
+    as they are (the identity expert). ``zero_copy``: the expert writes into the combine input
+    buffer and the caller's output tensors receive the result. Returns
+    ``step() -> (out, out_w, out_idx, total, routing, y, y_w)``."""
+    m, hidden = x.shape
+    stage = op.get_combine_input_buffer()
+    y_out = torch.empty(m, hidden, dtype=op.cfg.combine_dtype, device=x.device)
+    y_w_out = torch.empty(m, w.shape[1], dtype=torch.float32, device=x.device)
+
+    def step():
+        out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        if zero_copy:
+            stage.copy_(out)
+            y, y_w = op.combine(stage, weights=out_w, routing=routing, out=y_out, out_weights=y_w_out)
+            assert y is y_out and y_w is y_w_out
+        else:
+            y, y_w = op.combine(out, weights=out_w, routing=routing)
+        return out, out_w, out_idx, total, routing, y, y_w
+
+    return step
+
+
+def replays_match_golden(op, rank: int, ws: int, step, static, gen, replays: int = 20) -> None:
+    """Capture ``step`` (:func:`dispatch_combine_step` over the static bf16 inputs ``static``), then
+    ``replays`` times: fresh random inputs copied in, the combine outputs poisoned, one replay, the
+    golden check; ``op.check()`` at the end."""
+    from mori_jit.ops.ep.golden import golden_check, make_inputs
+
+    sx, sw, sidx = static
+    (m, hidden), k, cfg = sx.shape, sw.shape[1], op.cfg
+    graph, outs = capture(step)
+    for _ in range(replays):
+        torch.distributed.barrier()  # peers must be done checking before the next dispatch
+        x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, sx.dtype, sx.device, gen)
+        sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
+        outs[5].fill_(float("nan")), outs[6].fill_(float("nan"))  # poison the graph's outputs
+        graph.replay()
+        out, out_w, out_idx, total, routing, y, y_w = outs
+        golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, sx, sw, sidx, out, out_w, out_idx, total,
+                     routing.recv_src, y, y_w)
+    op.check()

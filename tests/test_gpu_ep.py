@@ -13,10 +13,9 @@ import re
 import pytest
 import torch
 
-from ep_gpu_checks import combine_short_and_expect_reports
+from ep_gpu_checks import combine_short_and_expect_reports, dispatch_combine_step, replays_match_golden
 from ep_gpu_checks import identity_expert as _expert
 from ep_gpu_checks import parity_with_torch as _parity
-from mori_jit.testing.cuda_graph import capture
 from mori_jit.testing.gpu_world import WORLD_SIZES, placement, run_ep_job
 
 pytestmark = [pytest.mark.gpu,
@@ -166,7 +165,7 @@ def _rounds_job(rank, ws):
 
 def _graph_job(rank, ws):
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.ops.ep.golden import make_inputs
 
     gen = torch.Generator().manual_seed(7 + rank)
     dev = _dev()
@@ -175,40 +174,16 @@ def _graph_job(rank, ws):
     # from a device counter, which every replay must find reset
     for m, zero_copy in ((128, False), (128, True), (1024, False)):
         with EpDispatchCombineOp(_cfg(rank, ws, hidden, k, BF16, BF16, m), None) as op:
-            cfg = op.cfg
-            sx, sw, sidx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
-            stage = op.get_combine_input_buffer()
-            y_out = torch.empty(m, hidden, dtype=cfg.combine_dtype, device=dev)
-            y_w_out = torch.empty(m, k, dtype=torch.float32, device=dev)
-
-            def step():
-                out, out_w, _, out_idx, total, routing = op.dispatch(sx, sw, None, sidx, return_routing=True)
-                if zero_copy:
-                    stage.copy_(out)  # the expert writes straight into the combine input buffer
-                    # ... and the caller's output tensors receive the result
-                    y, y_w = op.combine(stage, weights=out_w, routing=routing, out=y_out, out_weights=y_w_out)
-                    assert y is y_out and y_w is y_w_out
-                else:
-                    y, y_w = op.combine(out, weights=out_w, routing=routing)
-                return out, out_w, out_idx, total, routing, y, y_w
-
+            static = make_inputs(rank, m, hidden, k, op.cfg.num_experts, BF16, dev, gen)
+            step = dispatch_combine_step(op, *static, zero_copy)
             if zero_copy:  # an output inside the symmetric arena is refused before anything launches
-                out, out_w, _, _, _, routing = op.dispatch(sx, sw, None, sidx, return_routing=True)
+                out, out_w, _, _, _, routing = op.dispatch(*static[:2], None, static[2], return_routing=True)
+                stage = op.get_combine_input_buffer()
                 stage.copy_(out)
                 with pytest.raises(ValueError, match="out: overlaps the op's symmetric buffers"):
                     op.combine(stage, weights=out_w, routing=routing, out=out[:m])
                 op.combine(out, weights=out_w, routing=routing)  # the collective round completes
-            graph, outs = capture(step)
-            for _ in range(20):
-                torch.distributed.barrier()  # peers must be done checking before the next dispatch
-                x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
-                sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
-                outs[5].fill_(float("nan")), outs[6].fill_(float("nan"))  # poison the graph's outputs
-                graph.replay()
-                out, out_w, out_idx, total, routing, y, y_w = outs
-                golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, sx, sw, sidx, out, out_w,
-                             out_idx, total, routing.recv_src, y, y_w)
-            op.check()
+            replays_match_golden(op, rank, ws, step, static, gen)
 
 
 def _combine_inputs_job(rank, ws):

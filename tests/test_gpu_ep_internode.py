@@ -15,10 +15,9 @@ import os
 import pytest
 import torch
 
-from ep_gpu_checks import combine_short_and_expect_reports
+from ep_gpu_checks import combine_short_and_expect_reports, dispatch_combine_step, replays_match_golden
 from ep_gpu_checks import identity_expert as _expert
 from ep_gpu_checks import parity_with_torch as _parity
-from mori_jit.testing.cuda_graph import capture
 from mori_jit.testing.gpu_world import WORLD_SIZES
 from mori_jit.testing.gpu_world_shmem import run_shmem_job
 
@@ -141,39 +140,14 @@ def _rounds_job(rank, ws, gpn, family):
 
 def _graph_job(rank, ws, gpn, family):
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.ops.ep.golden import make_inputs
 
     gen = torch.Generator().manual_seed(7 + rank)
-    dev = _dev()
     hidden, k, m = 2048, 8, 96
     for zero_copy in (False, True):
         with EpDispatchCombineOp(_cfg(rank, ws, gpn, hidden, k, BF16, BF16, m, internode_kernel=family), None) as op:
-            cfg = op.cfg
-            sx, sw, sidx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
-            stage = op.get_combine_input_buffer()
-            y_out = torch.empty(m, hidden, dtype=cfg.combine_dtype, device=dev)
-            y_w_out = torch.empty(m, k, dtype=torch.float32, device=dev)
-
-            def step():
-                out, out_w, _, out_idx, total, routing = op.dispatch(sx, sw, None, sidx, return_routing=True)
-                if zero_copy:
-                    stage.copy_(out)
-                    y, y_w = op.combine(stage, weights=out_w, routing=routing, out=y_out, out_weights=y_w_out)
-                else:
-                    y, y_w = op.combine(out, weights=out_w, routing=routing)
-                return out, out_w, out_idx, total, routing, y, y_w
-
-            graph, outs = capture(step)
-            for _ in range(20):
-                torch.distributed.barrier()  # peers must be done checking before the next dispatch
-                x, w, idx = make_inputs(rank, m, hidden, k, cfg.num_experts, BF16, dev, gen)
-                sx.copy_(x), sw.copy_(w), sidx.copy_(idx)
-                outs[5].fill_(float("nan")), outs[6].fill_(float("nan"))
-                graph.replay()
-                out, out_w, out_idx, total, routing, y, y_w = outs
-                golden_check(op.group, rank, ws, m, cfg.num_experts_per_rank, sx, sw, sidx, out, out_w,
-                             out_idx, total, routing.recv_src, y, y_w)
-            op.check()
+            static = make_inputs(rank, m, hidden, k, op.cfg.num_experts, BF16, _dev(), gen)
+            replays_match_golden(op, rank, ws, dispatch_combine_step(op, *static, zero_copy), static, gen)
 
 
 def _timeout_job(rank, ws, gpn, family):
