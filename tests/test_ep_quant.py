@@ -15,9 +15,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _hard_rows(gen) -> torch.Tensor:
-    """Rows whose blocks are ordinary, all zero, tiny, huge, a single spike, and exact powers of two."""
-    x = torch.randn(8, 512, generator=gen) * 3
+def hard_rows(gen, rows: int = 8) -> torch.Tensor:
+    """float32 ``[rows, 512]`` (rows >= 7) whose blocks are ordinary, all zero, tiny, huge, a single
+    spike, and exact powers of two; the caller casts them to bf16."""
+    x = torch.randn(rows, 512, generator=gen) * 3
     x[1, :128] = 0
     x[2, 128:256] *= 1e-9
     x[3, 256:384] *= 1e30
@@ -25,14 +26,14 @@ def _hard_rows(gen) -> torch.Tensor:
     x[4, 400] = -7.0
     x[5, :128] = 448.0 * 2  # amax / 448 = 2: a power of two already, UE8M0 must not round it up
     x[6] = torch.randint(-4, 5, (512,), generator=gen).float() * 2.0 ** -10
-    return x.to(torch.bfloat16)
+    return x
 
 
 @pytest.mark.parametrize("scale_type_size", [4, 1])
 def test_quantize_matches_the_plain_torch_formula_bit_for_bit(scale_type_size):
     gen = torch.Generator().manual_seed(5)
-    for x in (_hard_rows(gen), (torch.randn(64, 1024, generator=gen) * 10).to(torch.bfloat16), torch.zeros(0, 256,
-                                                                                                         dtype=torch.bfloat16)):
+    for x in (hard_rows(gen).to(torch.bfloat16), (torch.randn(64, 1024, generator=gen) * 10).to(torch.bfloat16),
+              torch.zeros(0, 256, dtype=torch.bfloat16)):
         q, s = quantize(x, SPEC, scale_type_size)
         gq, gs = golden_quantize(x, scale_type_size)
         assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape

@@ -14,6 +14,7 @@ import torch
 
 from mori_jit.jit.paths import kernels_dir
 from mori_jit.ops.ep.quant import QUANT_TYPES, quantize
+from test_ep_quant import hard_rows
 
 SPEC = QUANT_TYPES["fp8_e4m3_block128"]
 
@@ -106,14 +107,7 @@ def _kernel_quantize(lib, x: torch.Tensor, scale_bytes: int):
 
 
 def _rows(gen) -> torch.Tensor:
-    x = torch.randn(12, 512, generator=gen) * 3
-    x[1, :128] = 0
-    x[2, 128:256] *= 1e-9
-    x[3, 256:384] *= 1e30
-    x[4, 384:] = 0
-    x[4, 400] = -7.0
-    x[5, :128] = 448.0 * 2
-    x[6] = torch.randint(-4, 5, (512,), generator=gen).float() * 2.0 ** -10
+    x = hard_rows(gen, 12)
     x[7, :128] = 3.0  # amax 3: amax / 448 and amax * fl32(1/448) differ in the last bit
     x[8] = torch.randn(512, generator=gen) * 1e-3  # values in e4m3's denormal range after scaling
     x[9, :128] = torch.linspace(-448, 448, 128)
