@@ -22,14 +22,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
+from mori_jit.ops.ep.quant import quant_spec, quantize
 from mori_jit.testing.cuda_graph import capture
+from profile_ep_host import host_us
 
 HIDDEN, K, EXPERTS = 7168, 8, 256
 FP8 = torch.float8_e4m3fn
+SPEC = quant_spec("fp8_e4m3_block128")
 QUEUE_AHEAD_CYCLES = 20_000_000
 #: device-time variants: (name, config fields, the caller casts first)
 _FP8_SCALES = dict(dispatch_data_type=FP8, combine_data_type=torch.bfloat16, scale_dim=HIDDEN // 128, scale_type_size=4)
@@ -99,22 +101,20 @@ def _check_received(res, x, quantized):
 
 def _device_times(tokens, iters, dev, gen):
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.quant import quant_spec, quantize
 
-    spec = quant_spec("fp8_e4m3_block128")
     rows = {}
     for name, fields, cast_first in VARIANTS:
         with EpDispatchCombineOp(_cfg(max(tokens), fields)) as op:
             for n in tokens:
                 x, w, idx = _inputs(n, dev, gen)
                 fp8_in = bool(fields.get("scale_dim")) and not fields.get("quant_type")
-                pre = quantize(x, spec, 4) if fp8_in and not cast_first else None
+                pre = quantize(x, SPEC, 4) if fp8_in and not cast_first else None
 
                 def call(x=x, w=w, idx=idx, fp8_in=fp8_in, pre=pre):
                     if pre is not None:
                         return op.dispatch(pre[0], w, pre[1], idx, return_result=True)
                     if fp8_in:  # the separate cast, inside the timed graph
-                        q, s = quantize(x, spec, 4)
+                        q, s = quantize(x, SPEC, 4)
                         return op.dispatch(q, w, s, idx, return_result=True)
                     return op.dispatch(x, w, None, idx, return_result=True)
                 res = call()
@@ -134,8 +134,7 @@ def _host_times(n, reps, dev, gen):
             x, w, idx = _inputs(n, dev, gen, fields.get("index_dtype", torch.int32))
             s = None
             if fields.get("scale_dim") and not fields.get("quant_type"):
-                from mori_jit.ops.ep.quant import quant_spec, quantize
-                x, s = quantize(x, quant_spec("fp8_e4m3_block128"), 4)
+                x, s = quantize(x, SPEC, 4)
             first = op.dispatch(x, w, s, idx, return_result=True)
             if replay:
                 def call():
@@ -143,17 +142,9 @@ def _host_times(n, reps, dev, gen):
             else:
                 def call():
                     op.dispatch(x, w, s, idx)
-            xs = []
-            for i in range(reps):
-                if i % 64 == 0:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                call()
-                xs.append(time.perf_counter() - t0)
+            out[name] = host_us(call, reps)
             torch.cuda.synchronize()
             op.check()
-            xs.sort()
-            out[name] = (statistics.median(xs) * 1e6, xs[reps // 10] * 1e6)
             print(f"host {name:28s} median {out[name][0]:6.2f} us  p10 {out[name][1]:6.2f}", flush=True)
     return out
 
