@@ -1,5 +1,5 @@
 """Internode EP on the CPU: config rules, regions, family selection, the gate, the tuning table,
-precompile's walk, and a real nvcc build + NVSHMEM device link of every internode pass for sm_90a.
+precompile's walk, and a real nvcc build + NVSHMEM device link of every internode kernel for sm_90a.
 
 The GPU runs are in ``tests/test_gpu_ep_internode.py``.
 """
@@ -21,7 +21,7 @@ from mori_jit.jit.nvshmem import NVSHMEM
 from mori_jit.jit.toolchain import make_toolchain
 from mori_jit.ops.ep import EpDispatchCombineConfig
 from mori_jit.ops.ep.backend_internode import NET_WAIT_MESSAGES, decode_net_error
-from mori_jit.ops.ep.internode_cfg import (EP_NET_ARGS, EP_NET_REGIONS, FAMILY_PASSES, EpNetCfg, ErrCode, NetWaitId,
+from mori_jit.ops.ep.internode_cfg import (EP_NET_ARGS, EP_NET_REGIONS, LEGS, EpNetCfg, ErrCode, NetWaitId,
                                            make_net_cfg, net_region_bytes)
 from mori_jit.ops.ep.internode_spec import NET_SPECS
 from mori_jit.ops.ep.kernel_cfg import EpDType
@@ -51,14 +51,14 @@ def test_bad_net_cfgs_name_the_rule(kw, match):
         EpNetCfg(**kw)
 
 
-def test_combine_passes_refuse_byte_dtypes_and_dispatch_recv_is_one_warp():
+def test_the_combine_refuses_byte_dtypes_and_legs_take_the_requested_geometry():
     with pytest.raises(ConfigError, match="Fp8 cannot be summed"):
-        make_net_cfg("combine_send", "sm_90a", {"dtype": "Fp8"})
-    assert make_net_cfg("dispatch_send", "sm_90a", {"dtype": "Fp8"}).dtype.name == "Fp8"
-    c = make_net_cfg("dispatch_recv", "sm_90a", {"blockNum": 40, "warpPerBlock": 16})
-    assert (c.blockNum, c.warpPerBlock) == (1, 1)
-    with pytest.raises(ValueError, match="internode pass must be one of"):
-        make_net_cfg("copystaging", "sm_90a", {})
+        make_net_cfg("combine", "sm_90a", {"dtype": "Fp8"})
+    assert make_net_cfg("dispatch", "sm_90a", {"dtype": "Fp8"}).dtype.name == "Fp8"
+    c = make_net_cfg("dispatch", "sm_90a", {"blockNum": 40, "warpPerBlock": 16})
+    assert (c.blockNum, c.warpPerBlock) == (40, 16)
+    with pytest.raises(ValueError, match="internode leg must be one of"):
+        make_net_cfg("dispatch_send", "sm_90a", {})
 
 
 def test_regions_and_args_come_from_one_table():
@@ -89,15 +89,13 @@ def test_auto_switches_family_at_the_threshold():
     assert bucket_families(_cfg(), [128, None]) == ("v2_ll", "v2_ll")
 
 
-def test_v2_ll_variants_pick_by_token_count_and_share_the_bookkeeping_pass():
+def test_v2_ll_variants_pick_by_token_count_one_kernel_per_leg():
     var = net_variants(_cfg(max_num_inp_token_per_rank=512), "sm_90a", 132)
     assert var.schedule.edges == (128, None) and var.families == ("v2_ll", "v2_ll")
     assert [var.schedule.index(n) for n in (0, 1, 128, 129, 512)] == [0, 0, 0, 1, 1]
-    assert [d[0].blockNum for d in var.dispatch] == [16, 32]  # DEFAULT_ROWS
-    assert {d[1] for d in var.dispatch} == {var.dispatch[0][1]} and var.dispatch[0][1].blockNum == 1
+    assert [d.blockNum for d in var.dispatch] == [16, 32]  # DEFAULT_ROWS
     names = [s.name for s, _ in var.requests()]
-    assert names == ["ep_ll_dispatch_send", "ep_ll_dispatch_recv", "ep_ll_combine_send", "ep_ll_combine_recv",
-                     "ep_ll_dispatch_send", "ep_ll_combine_send", "ep_ll_combine_recv"]
+    assert names == ["ep_ll_dispatch", "ep_ll_combine", "ep_ll_dispatch", "ep_ll_combine"]
 
 
 def test_auto_adds_the_threshold_edge_and_builds_both_families():
@@ -105,18 +103,26 @@ def test_auto_adds_the_threshold_edge_and_builds_both_families():
     var = net_variants(cfg, "sm_90a", 132)
     assert var.schedule.edges == (100, 128, None) and var.families == ("v2_ll", "v2", "v2")
     assert [var.schedule.index(n) for n in (100, 101, 128, 129, 256)] == [0, 1, 1, 2, 2]
-    assert [len(d) for d in var.dispatch] == [2, 3, 3] and [len(c) for c in var.combine] == [2, 3, 3]
+    assert len(var.dispatch) == len(var.combine) == 3
     names = {s.name for s, _ in var.requests()}
-    assert names == {f"ep_{'ll' if f == 'v2_ll' else 'v2'}_{p}" for f in ("v2_ll", "v2")
-                     for leg in FAMILY_PASSES[f] for p in leg}
+    assert names == {f"ep_{f}_{leg}" for f in ("ll", "v2") for leg in LEGS}
     assert net_variants(_cfg(internode_kernel="v2"), "sm_90a", 132).families == ("v2",)
 
 
 def test_the_share_of_the_sms_clamps_and_refuses_pins():
     var = net_variants(_cfg(), "sm_90a", 132, ranks_per_device=8)
-    assert max(c[0].blockNum for c in var.combine) <= 132 // 8
+    assert max(c.blockNum for c in var.combine) <= 132 // 8
     with pytest.raises(ConfigError, match="dispatch_block_num=40 exceeds 16"):
         net_variants(_cfg(dispatch_block_num=40), "sm_90a", 132, ranks_per_device=8)
+
+
+def test_an_mps_thread_limit_is_already_the_share_of_the_sms(monkeypatch):
+    from mori_jit.ops.ep.grid_share import MPS_THREAD_PERCENTAGE, ranks_dividing_cus
+    monkeypatch.delenv(MPS_THREAD_PERCENTAGE, raising=False)
+    assert ranks_dividing_cus(8) == 8  # the device reports every SM: each of 8 ranks takes an eighth
+    monkeypatch.setenv(MPS_THREAD_PERCENTAGE, "12")
+    assert ranks_dividing_cus(8) == 1  # the device reports this process's 12 %, already its share
+    assert max(c.blockNum for c in net_variants(_cfg(), "sm_90a", 14, ranks_dividing_cus(8)).combine) == 14
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -169,7 +175,7 @@ def test_lookup_clamps_to_the_budget_and_prefers_the_device_key(monkeypatch):
 
 # -- specs, names, keys, precompile ----------------------------------------------------------------
 
-def test_each_pass_is_its_own_spec_with_its_own_names_and_keys(fake_cc, monkeypatch, tmp_path):
+def test_each_leg_is_its_own_spec_with_its_own_names_and_keys(fake_cc, monkeypatch, tmp_path):
     _fake_nvshmem(monkeypatch, tmp_path)
     tc = make_toolchain("sm_90a")
     var = net_variants(_cfg(), "sm_90a", 132)
@@ -178,7 +184,7 @@ def test_each_pass_is_its_own_spec_with_its_own_names_and_keys(fake_cc, monkeypa
     assert all(e.startswith("mori_epll_") and "_ws4_g2_h256_k4_" in e for e in entries)
     keys = {resolve(spec, c, tc).key for spec, c in var.requests()}
     assert len(keys) == len(var.requests())
-    assert set(NET_SPECS) == {(f, p) for f, legs in FAMILY_PASSES.items() for leg in legs for p in leg}
+    assert set(NET_SPECS) == {(f, leg) for f in ("v2_ll", "v2") for leg in LEGS}
 
 
 def test_precompile_builds_the_live_ops_walk(fake_cc, monkeypatch, tmp_path, capsys):
@@ -236,7 +242,7 @@ def test_internode_bodies_reach_the_engine_only_through_the_transport():
 
 @pytest.mark.parametrize("dtypes, kernel", [(("bf16", "bf16"), "auto"), (("fp8", "fp32"), "v2_ll")],
                          ids=["bf16-auto", "fp8-fp32-ll"])
-def test_real_nvcc_builds_and_device_links_every_internode_pass(dtypes, kernel):
+def test_real_nvcc_builds_and_device_links_every_internode_kernel(dtypes, kernel):
     import torch
     tc = toolchain_or_skip("sm_90a")
     try:
@@ -274,8 +280,8 @@ def test_every_rank_sharing_a_gpu_gets_an_equal_mps_share_summing_to_at_most_100
         mps_thread_percentage(0)
 
 
-def test_plain_precompile_builds_internode_passes_only_where_they_can_be(fake_cc, monkeypatch, tmp_path):
-    spec = NET_SPECS[("v2_ll", "dispatch_send")]
+def test_plain_precompile_builds_internode_kernels_only_where_they_can_be(fake_cc, monkeypatch, tmp_path):
+    spec = NET_SPECS[("v2_ll", "dispatch")]
     assert spec.precompile_cfgs(make_toolchain("gfx90a")) == []  # no AMD transport
     _fake_nvshmem(monkeypatch, tmp_path)
     assert spec.precompile_cfgs(make_toolchain("sm_90a")) == [spec.default_cfg(make_toolchain("sm_90a"))]

@@ -21,8 +21,9 @@ import torch
 from ep_smoke_rounds import log, smoke_rounds
 
 def _host_us(rank, op, m, reps):
-    """Median and 10th percentile µs of the Python side of ``reps`` dispatch and combine calls
-    (every rank makes the same calls; the GPU is synced every 32 rounds, so launches never queue up)."""
+    """Median and 10th percentile µs of the Python side of ``reps`` dispatch and combine calls, every
+    other combine into given outputs (``out=``) and the rest allocating them (every rank makes the
+    same calls; the GPU is synced every 32 rounds, so launches never queue up)."""
     import statistics
     import time
 
@@ -32,22 +33,27 @@ def _host_us(rank, op, m, reps):
     x, w, idx = make_inputs(rank, m, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts, torch.bfloat16,
                             _device(), torch.Generator().manual_seed(rank))
     out, out_w, *_, routing = op.dispatch(x, w, None, idx, return_routing=True)
-    times = {"dispatch": [], "combine": []}
+    y, y_w = op.combine(out, weights=out_w, routing=routing)
+    times = {"dispatch": [], "combine": [], "combine (out=)": []}
     for i in range(reps):
         if i % 32 == 0:
             torch.cuda.synchronize()
             torch.distributed.barrier()
+        given = i % 2 == 1  # (every rank alternates alike: the legs stay collective)
         t0 = time.perf_counter()
         out, out_w, *_, routing = op.dispatch(x, w, None, idx, return_routing=True)
         t1 = time.perf_counter()
-        op.combine(out, weights=out_w, routing=routing)
-        times["dispatch"].append(t1 - t0), times["combine"].append(time.perf_counter() - t1)
+        if given:
+            op.combine(out, weights=out_w, routing=routing, out=y, out_weights=y_w)
+        else:
+            op.combine(out, weights=out_w, routing=routing)
+        times["dispatch"].append(t1 - t0), times["combine (out=)" if given else "combine"].append(time.perf_counter() - t1)
     torch.cuda.synchronize()
     op.check()
     for name, xs in times.items():
         xs.sort()
-        log(rank, f"host {name}: median {statistics.median(xs) * 1e6:.2f} us, p10 {xs[reps // 10] * 1e6:.2f} us "
-                  f"({reps} calls, {m} tokens)")
+        log(rank, f"host {name}: median {statistics.median(xs) * 1e6:.2f} us, p10 {xs[len(xs) // 10] * 1e6:.2f} us "
+                  f"({len(xs)} calls, {m} tokens)")
 
 
 def _device() -> torch.device:
@@ -69,6 +75,9 @@ def _job(rank, ws, gpn, hidden, k, m, rounds, family, host_reps=0):
                   f"{op.arena.tensor.numel()} bytes; peers reached by loads/stores (P2P) {p2p}, by puts only "
                   f"{sorted(set(range(ws)) - set(p2p))}; "
                   f"same node as this rank {[pe for pe in range(ws) if pe // gpn == rank // gpn]}")
+        grids = {leg: [launch.plan.grid[0] for launch in launches] for leg, launches in op.kernels.bound_launches.items()}
+        sms = torch.cuda.get_device_properties(_device()).multi_processor_count
+        log(rank, f"blocks per bucket {grids}; SMs this process sees: {sms}; ranks on this GPU: {op.ranks_per_device}")
         smoke_rounds(op, rounds, _device())
         if host_reps:
             _host_us(rank, op, m, host_reps)

@@ -45,7 +45,7 @@ def _timer(reps: int):
 
 def _job(rank, ws, n, reps):
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-    from mori_jit.ops.ep import op as opmod
+    from mori_jit.ops.ep.arguments import expect_tensor
     from mori_jit.ops.ep.backend_hip import CombineOutputs
     from mori_jit.ops.ep.kernel_cfg import COMBINE
 
@@ -80,10 +80,11 @@ def _job(rank, ws, n, reps):
         t = _timer(reps)
         for rnd in range(2):
             print(f"--- round {rnd}")
+            r = op.dispatch(x, w, None, idx, return_routing=True)  # (combine takes the latest dispatch's routing)
             t("torch.empty", lambda: torch.empty((n, hidden), dtype=torch.bfloat16, device=dev))
             t("new_empty", lambda: y.new_empty((n, hidden)))
             t("CombineOutputs.y", lambda: fresh.y(n))
-            t("_expect (one tensor)", lambda: opmod._expect("input", inp, torch.bfloat16, (inp.shape[0], hidden), dev))
+            t("expect_tensor (one tensor)", lambda: expect_tensor("input", inp, torch.bfloat16, (inp.shape[0], hidden), dev))
             t("driver launch (cuda-bindings)", lambda: drv.cuLaunchKernel(fn, gx, 1, 1, bx, 1, 1, shm, cs, kp_addr, 0))
             t("driver launch (ctypes)", lambda: cl(fint, gx, 1, 1, bx, 1, 1, shm, st, kp_addr, None))
             t("bound launch", bound)

@@ -28,7 +28,7 @@ MORI_DEVICE void RecordError(const EpNetArgs& a, ErrCode code, uint64_t detail, 
 
 // A sender whose combine input is short (fewer rows than it received) tells the home rank of each
 // row it cannot send (a put of the combine epoch into the home's comb_short[sender]); the home's
-// receive pass reports every sender that did so in this epoch. Rows [rows, total) are the missing ones.
+// receive phase reports every sender that did so in this epoch. Rows [rows, total) are the missing ones.
 MORI_DEVICE void MarkShortRows(const EpNetArgs& a, int rows, int total, int maxTokPerRank, int epoch, int warp,
                                int warps) {
   int* marks = Local<int>(a, a.off_comb_short);
@@ -79,10 +79,29 @@ MORI_DEVICE void WaitEveryRank(const EpNetArgs& a, NetSignal row, uint64_t targe
   WaitRanks<kCfg>(a, row, target, wait, EveryRank<kCfg>());
 }
 
-// This rank's own count in `row` (on itself): read by a pass whose rank's earlier pass signalled it.
+// This rank's own count in `row` (on itself).
 template <EpNetCfg kCfg>
 MORI_DEVICE uint64_t OwnCount(const EpNetArgs& a, NetSignal row) {
   return plat::load_acquire_system(Signals<kCfg>(a, row) + a.rank);
+}
+
+// The epochs a leg waits against: this rank's own counts of the earlier legs, read by each block
+// before it signals anything. Earlier kernels have ended, so their counts are complete; a row this
+// launch signals holds, until every block has signalled, its shares of less than one unit, which
+// the division drops (relayFree is a count of whole signals, and this launch adds to it only after
+// every block's send phase, so after every block's read).
+struct NetEpochs {
+  uint64_t disp;  // dispatches so far (both families)
+  uint64_t comb;  // combines so far (both families)
+  uint64_t relayFree;  // v2: forwards of this rank's relay rows so far (signals, not units)
+  uint64_t fwd;  // v2: dispatches forwarded on this rank's node so far
+  uint64_t combFwd;  // v2: combines whose partial sums were forwarded to this rank so far
+};
+template <EpNetCfg kCfg>
+MORI_DEVICE NetEpochs ReadEpochs(const EpNetArgs& a) {
+  return {OwnCount<kCfg>(a, kSigDispDone) / kDoneUnit, OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit,
+          OwnCount<kCfg>(a, kSigRelayFree), OwnCount<kCfg>(a, kSigFwdDone) / kDoneUnit,
+          OwnCount<kCfg>(a, kSigCombFwdDone) / kDoneUnit};
 }
 
 // This block's share of a done unit (ep_report.hpp).
@@ -157,7 +176,7 @@ struct VecSum {
   }
 };
 
-// The warp's index over the grid and the grid's warps: a pass's loops stride over rows by warp.
+// The warp's index over the grid and the grid's warps: a phase's loops stride over rows by warp.
 template <EpNetCfg kCfg>
 MORI_DEVICE int GridWarp() { return blockIdx.x * kCfg.warpPerBlock + plat::wave_id(); }
 template <EpNetCfg kCfg>
@@ -178,8 +197,8 @@ MORI_DEVICE int DistinctDestRank(const EpNetArgs& a, int t) {
   return pe;
 }
 
-// Thread 0 of dispatch_recv: publish the rows received (total_recv) and reset the slot counter. No
-// claim can land meanwhile: every writer waits for the slots-free signal that follows first.
+// Thread 0 of the dispatch's receive phase: publish the rows received (total_recv) and reset the
+// slot counter. No claim can land meanwhile: every writer waits for the slots-free signal that follows first.
 MORI_DEVICE void PublishTotalRecv(const EpNetArgs& a) {
   if (threadIdx.x != 0) return;
   int* cnt = Local<int>(a, a.off_recv_cnt);
@@ -189,14 +208,14 @@ MORI_DEVICE void PublishTotalRecv(const EpNetArgs& a) {
 
 // The combine input rows this rank sends: every received row, or the rows given when the input is
 // short (then the error is recorded and the home ranks of the missing rows are told).
+// `epoch` is this combine's (from 1).
 template <EpNetCfg kCfg>
-MORI_DEVICE int CombineInputRows(const EpNetArgs& a) {
+MORI_DEVICE int CombineInputRows(const EpNetArgs& a, uint64_t epoch) {
   const int total = *Local<int>(a, a.off_total_recv);
   if (a.inpRows >= total) return total;
   if (blockIdx.x == 0 && threadIdx.x == 0)
     RecordError(a, kErrShortInput, uint64_t(a.rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
-  MarkShortRows(a, a.inpRows, total, kCfg.maxTokPerRank, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit + 1),
-                GridWarp<kCfg>(), GridWarps<kCfg>());
+  MarkShortRows(a, a.inpRows, total, kCfg.maxTokPerRank, int(epoch), GridWarp<kCfg>(), GridWarps<kCfg>());
   return a.inpRows;
 }
 

@@ -40,7 +40,7 @@ constexpr int NetBlockThreads(const EpNetCfg& c) { return (c.warpPerBlock * c.wa
 constexpr int NetMaxRecv(const EpNetCfg& c) { return ((c.maxRecv == 0) ? (c.worldSize * c.maxTokPerRank) : c.maxRecv); }
 // experts in total
 constexpr int NetNumExperts(const EpNetCfg& c) { return (c.numExpertPerRank * c.worldSize); }
-// the dtype can be reduced (combine passes)
+// the dtype can be reduced (combine)
 constexpr bool NetSummable(const EpNetCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the internode kernels can be built and are correct for this config
 constexpr bool NetIsValid(const EpNetCfg& c) { return (((((((((((((((((c.worldSize >= 2) && (c.worldSize <= 1024)) && (c.gpuPerNode >= 1)) && (c.gpuPerNode <= 32)) && ((c.worldSize % ((c.gpuPerNode > 1) ? c.gpuPerNode : 1)) == 0)) && (c.hiddenDim >= 1)) && ((NetTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && (c.waveSize == 32)) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (NetBlockThreads(c) <= 1024)); }
@@ -61,7 +61,7 @@ struct EpNetArgs {
   uint64_t off_out_wts;  // received weights [maxRecv, k] f32 (written by peers)
   uint64_t off_out_idx;  // received expert ids [maxRecv, k] i32 (written by peers)
   uint64_t off_recv_to_src;  // reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)
-  uint64_t off_recv_cnt;  // receive slot counter [1] i32 (peers claim slots with a remote fetch-add; reset by dispatch_recv)
+  uint64_t off_recv_cnt;  // receive slot counter [1] i32 (peers claim slots with a remote fetch-add; reset by the dispatch)
   uint64_t off_total_recv;  // rows received by the last dispatch [1] i32 (local)
   uint64_t off_tok_dest;  // each token's distinct destination ranks [M, k] i32, -1 for none (local: combine reads it)
   uint64_t off_disp_stage;  // token rows staged for puts [M, tokenBytes] (local: a put's source is symmetric)
@@ -76,7 +76,7 @@ struct EpNetArgs {
   uint64_t off_relay;  // v2: rows to forward [nodes, M, tokenBytes] (written by the sources of this local index)
   uint64_t off_relay_meta;  // v2: their metadata [nodes, M, 2k+3] i32: weights, ids, source, node mask, epoch (written by sources)
   uint64_t off_relay_stage_meta;  // v2: metadata staged for puts [M, nodes, 2k+3] i32 (local)
-  uint64_t off_relay_out_cnt;  // v2: relay slots claimed per destination node [nodes] i32 (local; reset by dispatch_recv)
+  uint64_t off_relay_out_cnt;  // v2: relay slots claimed per destination node [nodes] i32 (local; reset by the dispatch)
   uint64_t off_recv_relay;  // v2: relay index of each received row [maxRecv] i32 (written by this node's forwarders)
   uint64_t off_comb_relay;  // v2: combine rows to sum [nodes * M, gpuPerNode, combTokenBytes] (written by this node's ranks)
   uint64_t off_comb_relay_wts;  // v2: their weights [nodes * M, gpuPerNode, k] f32 (written by this node's ranks)

@@ -2,39 +2,36 @@
 // through the transport (kernels/transport/*.hpp, included before this header), by plain stores
 // where a destination on this node is reachable by them and by the engine's puts otherwise.
 //
-// A leg is two passes (two kernels, launched in order on one stream):
-//   dispatch_send  waits until each peer has read its previous combine input and reset its slot
-//                  counter; then one warp per token drops invalid ids and repeated ranks (dedup),
-//                  claims one receive slot per destination rank (a remote fetch-add on its
-//                  counter), writes the row, weights, ids and reverse map there, records the
-//                  token's destinations locally, and each block signals its share of a done unit
-//                  to every rank.
-//   dispatch_recv  waits for every source's done unit, publishes total_recv, resets the counter
-//                  and signals every rank that its slots are free again.
-//   combine_send   one warp per received row pushes the expert output (and weights) into the
-//                  home rank's comb_recv[this rank, token]; each block signals its share.
-//   combine_recv   waits for every rank's done unit and sums each token's rows from its distinct
-//                  destination ranks in fp32; a sender whose short input dropped rows of this rank's
-//                  tokens has marked comb_short, and is reported.
-// Stream order between passes replaces any wait of a block on another block of its own rank, so no
-// grid needs to be resident as a whole. Epochs are the done counts themselves (kept on the device:
-// a captured graph stays right on every replay); a rank's own count is complete when the pass
-// that follows its send pass reads it.
+// A leg is one kernel (one host launch) in two phases:
+//   dispatch, send     waits until each peer has read its previous combine input and reset its slot
+//                      counter; then one warp per token drops invalid ids and repeated ranks (dedup),
+//                      claims one receive slot per destination rank (a remote fetch-add on its
+//                      counter), writes the row, weights, ids and reverse map there, records the
+//                      token's destinations locally, and each block signals its share of a done unit
+//                      to every rank.
+//   dispatch, receive  block 0: waits for every source's done unit (this rank's blocks included),
+//                      publishes total_recv, resets the counter and signals every rank that its
+//                      slots are free again.
+//   combine, send      one warp per received row pushes the expert output (and weights) into the
+//                      home rank's comb_recv[this rank, token]; each block signals its share.
+//   combine, receive   every block waits for every rank's done unit and sums each token's rows from
+//                      its distinct destination ranks in fp32; a sender whose short input dropped
+//                      rows of this rank's tokens has marked comb_short, and is reported.
+// A receive phase waits for this rank's own blocks through the same signals as for its peers, so a
+// leg's blocks must be resident together: the grid never exceeds the rank's share of the SMs
+// (grid_share.py), as for the intranode kernels. Epochs are the done counts themselves (kept on the
+// device: a captured graph stays right on every replay), read at each block's start (NetEpochs).
 #pragma once
 #include "ep/ep_net_common.hpp"
 
 namespace mori::epnet {
 
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetLlDispatchSend(const EpNetArgs& a) {
+MORI_DEVICE void LlDispatchSend(const EpNetArgs& a, const NetEpochs& e) {
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
   const int rank = a.rank, lane = plat::lane_id();
-  // this rank's epochs: its own counts (the previous combine is complete; this launch's shares of
-  // the dispatch count stay below a unit)
-  const uint64_t de = OwnCount<kCfg>(a, kSigDispDone) / kDoneUnit;
-  const uint64_t ce = OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit;
-  WaitEveryRank<kCfg>(a, kSigCombDone, ce * kDoneUnit, kNetWaitPeerCombine);
-  WaitEveryRank<kCfg>(a, kSigSlotsFree, de, kNetWaitPeerSlots);
+  WaitEveryRank<kCfg>(a, kSigCombDone, e.comb * kDoneUnit, kNetWaitPeerCombine);
+  WaitEveryRank<kCfg>(a, kSigSlotsFree, e.disp, kNetWaitPeerSlots);
 
   int* tok_dest = Local<int>(a, a.off_tok_dest);
   int* recv_cnt = Local<int>(a, a.off_recv_cnt);
@@ -82,19 +79,25 @@ MORI_DEVICE void NetLlDispatchSend(const EpNetArgs& a) {
   SignalEveryRank<kCfg>(a, kSigDispDone, BlockShare());
 }
 
+// (block 0, after its send phase)
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetLlDispatchRecv(const EpNetArgs& a) {
-  // this rank's own done count is complete (its send pass has ended): every source reaches it
-  const uint64_t target = OwnCount<kCfg>(a, kSigDispDone);
-  WaitEveryRank<kCfg>(a, kSigDispDone, target, kNetWaitDispatchDone);
+MORI_DEVICE void LlDispatchRecv(const EpNetArgs& a, const NetEpochs& e) {
+  WaitEveryRank<kCfg>(a, kSigDispDone, (e.disp + 1) * kDoneUnit, kNetWaitDispatchDone);
   PublishTotalRecv(a);
   SignalEveryRank<kCfg>(a, kSigSlotsFree, 1);
 }
 
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetLlCombineSend(const EpNetArgs& a) {
+MORI_DEVICE void NetLlDispatch(const EpNetArgs& a) {
+  const NetEpochs e = ReadEpochs<kCfg>(a);
+  LlDispatchSend<kCfg, T>(a, e);
+  if (blockIdx.x == 0) LlDispatchRecv<kCfg, T>(a, e);
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void LlCombineSend(const EpNetArgs& a, const NetEpochs& e) {
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
-  const int rows = CombineInputRows<kCfg>(a);
+  const int rows = CombineInputRows<kCfg>(a, e.comb + 1);
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   char* comb_recv = Local<char>(a, a.off_comb_recv);
   float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
@@ -107,11 +110,10 @@ MORI_DEVICE void NetLlCombineSend(const EpNetArgs& a) {
 }
 
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetLlCombineRecv(const EpNetArgs& a) {
+MORI_DEVICE void LlCombineRecv(const EpNetArgs& a, const NetEpochs& e) {
   constexpr int kK = kCfg.numExpertPerToken;
-  const uint64_t target = OwnCount<kCfg>(a, kSigCombDone);
-  WaitEveryRank<kCfg>(a, kSigCombDone, target, kNetWaitCombineDone);
-  ReportShortPeers(a, kCfg.worldSize, int(target / kDoneUnit));
+  WaitEveryRank<kCfg>(a, kSigCombDone, (e.comb + 1) * kDoneUnit, kNetWaitCombineDone);
+  ReportShortPeers(a, kCfg.worldSize, int(e.comb + 1));
   const int lane = plat::lane_id();
   const int* tok_dest = Local<int>(a, a.off_tok_dest);
   for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
@@ -124,6 +126,13 @@ MORI_DEVICE void NetLlCombineRecv(const EpNetArgs& a) {
     }
     SumCombRows<kCfg, T>(a, t, dest, nd);
   }
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void NetLlCombine(const EpNetArgs& a) {
+  const NetEpochs e = ReadEpochs<kCfg>(a);
+  LlCombineSend<kCfg, T>(a, e);
+  LlCombineRecv<kCfg, T>(a, e);
 }
 
 }  // namespace mori::epnet

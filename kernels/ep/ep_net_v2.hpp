@@ -3,29 +3,30 @@
 // destination rank of its node; combine runs the same path back, summing inside the node first.
 // Transport: kernels/transport/*.hpp, included before this header.
 //
-// A leg is three passes (three kernels, launched in order on one stream). N nodes of G ranks; a
-// rank's local index is rank % G; relay index j = source node * M + relay slot.
-//   dispatch_send     waits until each of its forwarders has forwarded its previous relay rows; one
+// A leg is one kernel (one host launch) in three phases. N nodes of G ranks; a rank's local index is
+// rank % G; relay index j = source node * M + relay slot.
+//   dispatch, send    waits until each of its forwarders has forwarded its previous relay rows; one
 //                     warp per token drops invalid ids and repeated ranks (dedup), and for each
 //                     destination node claims a relay slot (a local counter per node) and writes the
 //                     row and its metadata (weights, ids, source, the node's destination ranks as a
 //                     mask, the epoch) into the forwarder's relay[j]; signals every rank (done).
-//   dispatch_forward  waits for the sources of its local index on every node, and until each rank of
+//   dispatch, forward waits for the sources of its local index on every node (this rank included), and until each rank of
 //                     its node has read its previous combine input and reset its slot counter; one
 //                     warp per relay row of this epoch claims a receive slot on each destination rank
 //                     of the row's mask and writes row, weights, ids, the reverse map and the relay
 //                     index there; signals its node (done) and its sources (relay free).
-//   dispatch_recv     waits for every forwarder of its node, publishes total_recv, resets its
-//                     counters and signals every rank that its slots are free.
-//   combine_send      one warp per received row writes the expert output (and weights) into the
+//   dispatch, receive block 0: waits for every forwarder of its node, publishes total_recv, resets
+//                     its counters and signals every rank that its slots are free.
+//   combine, send     one warp per received row writes the expert output (and weights) into the
 //                     slot of this rank in comb_relay[j] on the forwarder of the row; signals every
 //                     rank (its input is read).
-//   combine_forward   waits for its node; one warp per relay row of this epoch sums the node's rows
+//   combine, forward  waits for its node; one warp per relay row of this epoch sums the node's rows
 //                     in fp32 and writes the sum into comb_recv[this node, token] on the source
 //                     (a put across nodes); signals its sources.
-//   combine_recv      waits for its forwarders on every node and sums each token's partial sums from
+//   combine, receive  waits for its forwarders on every node and sums each token's partial sums from
 //                     its distinct destination nodes in fp32.
-// Epochs are the done counts, on the device (see ep_net_ll.hpp). The rows both families use
+// Epochs are the done counts, on the device, and a leg's blocks are resident together (see
+// ep_net_ll.hpp). The rows both families use
 // (dispatch done, slots free, combine done) are signalled to every rank by both, so each rank's own
 // count is every rank's count and an `auto` op may switch family between calls (every rank of one
 // call on the same side of the threshold); the rows of v2 alone count v2's calls.
@@ -46,15 +47,14 @@ template <EpNetCfg kCfg>
 constexpr int kNodes = kCfg.worldSize / kCfg.gpuPerNode;
 
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetV2DispatchSend(const EpNetArgs& a) {
+MORI_DEVICE void V2DispatchSend(const EpNetArgs& a, const NetEpochs& e) {
   static_assert(kCfg.gpuPerNode <= 32, "a node's ranks are a 32-bit mask");
   using Meta = RelayMeta<kCfg>;
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
   constexpr int kTok = NetTokenBytes(kCfg);
   const int rank = a.rank, lane = plat::lane_id(), node = rank / kG;
-  const uint64_t de = OwnCount<kCfg>(a, kSigDispDone) / kDoneUnit;  // (this launch's shares stay below a unit)
   // this rank is its own forwarder: its own relay-free count is the forwards every forwarder owes it
-  WaitRanks<kCfg>(a, kSigRelayFree, OwnCount<kCfg>(a, kSigRelayFree), kNetWaitRelayFree, SameLocalIndex<kCfg>(rank));
+  WaitRanks<kCfg>(a, kSigRelayFree, e.relayFree, kNetWaitRelayFree, SameLocalIndex<kCfg>(rank));
 
   int* tok_dest = Local<int>(a, a.off_tok_dest);
   int* out_cnt = Local<int>(a, a.off_relay_out_cnt);
@@ -95,7 +95,7 @@ MORI_DEVICE void NetV2DispatchSend(const EpNetArgs& a) {
       if (lane == 0) {
         meta[Meta::kSrc] = rank * kM + t;
         meta[Meta::kMask] = int(dmask);
-        meta[Meta::kTag] = int(de + 1);
+        meta[Meta::kTag] = int(e.disp + 1);
       }
       __syncwarp();
       if (char* p = Direct<kCfg>(a, relay + at * kTok, fwd)) {
@@ -111,17 +111,15 @@ MORI_DEVICE void NetV2DispatchSend(const EpNetArgs& a) {
 }
 
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetV2DispatchForward(const EpNetArgs& a) {
+MORI_DEVICE void V2DispatchForward(const EpNetArgs& a, const NetEpochs& e) {
   using Meta = RelayMeta<kCfg>;
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
   constexpr int kTok = NetTokenBytes(kCfg);
   const int rank = a.rank, lane = plat::lane_id();
-  const uint64_t done = OwnCount<kCfg>(a, kSigDispDone);  // complete: this rank's send pass has ended
-  const uint64_t epoch = done / kDoneUnit;  // this dispatch's (from 1)
-  const uint64_t ce = OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit;
-  WaitRanks<kCfg>(a, kSigDispDone, done, kNetWaitDispatchDone, SameLocalIndex<kCfg>(rank));
-  WaitRanks<kCfg>(a, kSigCombDone, ce * kDoneUnit, kNetWaitPeerCombine, NodeOf<kCfg>(rank));
-  WaitRanks<kCfg>(a, kSigSlotsFree, epoch - 1, kNetWaitPeerSlots, NodeOf<kCfg>(rank));
+  const uint64_t epoch = e.disp + 1;  // this dispatch's
+  WaitRanks<kCfg>(a, kSigDispDone, epoch * kDoneUnit, kNetWaitDispatchDone, SameLocalIndex<kCfg>(rank));
+  WaitRanks<kCfg>(a, kSigCombDone, e.comb * kDoneUnit, kNetWaitPeerCombine, NodeOf<kCfg>(rank));
+  WaitRanks<kCfg>(a, kSigSlotsFree, e.disp, kNetWaitPeerSlots, NodeOf<kCfg>(rank));
 
   const char* relay = Local<char>(a, a.off_relay);
   const int* relay_meta = Local<int>(a, a.off_relay_meta);
@@ -171,22 +169,31 @@ MORI_DEVICE void NetV2DispatchForward(const EpNetArgs& a) {
   }
 }
 
+// (block 0, after its forward phase: this rank's send claims are done, its forward waited for them)
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetV2DispatchRecv(const EpNetArgs& a) {
-  WaitRanks<kCfg>(a, kSigFwdDone, OwnCount<kCfg>(a, kSigFwdDone), kNetWaitForwardDone, NodeOf<kCfg>(a.rank));
+MORI_DEVICE void V2DispatchRecv(const EpNetArgs& a, const NetEpochs& e) {
+  WaitRanks<kCfg>(a, kSigFwdDone, (e.fwd + 1) * kDoneUnit, kNetWaitForwardDone, NodeOf<kCfg>(a.rank));
   PublishTotalRecv(a);
-  int* out_cnt = Local<int>(a, a.off_relay_out_cnt);  // (this rank's send pass of the next dispatch follows)
+  int* out_cnt = Local<int>(a, a.off_relay_out_cnt);
   for (int n = threadIdx.x; n < kNodes<kCfg>; n += blockDim.x) out_cnt[n] = 0;
   CompleteBlock<kCfg>();
   if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigSlotsFree, 1, EveryRank<kCfg>());
 }
 
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetV2CombineSend(const EpNetArgs& a) {
+MORI_DEVICE void NetV2Dispatch(const EpNetArgs& a) {
+  const NetEpochs e = ReadEpochs<kCfg>(a);
+  V2DispatchSend<kCfg, T>(a, e);
+  V2DispatchForward<kCfg, T>(a, e);
+  if (blockIdx.x == 0) V2DispatchRecv<kCfg, T>(a, e);
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void V2CombineSend(const EpNetArgs& a, const NetEpochs& e) {
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
   constexpr int kTok = NetTokenBytes(kCfg);
   const int rank = a.rank;
-  const int rows = CombineInputRows<kCfg>(a);  // (a short input's marks go straight to the home ranks)
+  const int rows = CombineInputRows<kCfg>(a, e.comb + 1);  // (a short input's marks go straight to the home ranks)
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   const int* recv_relay = Local<int>(a, a.off_recv_relay);
   char* comb_relay = Local<char>(a, a.off_comb_relay);
@@ -201,13 +208,13 @@ MORI_DEVICE void NetV2CombineSend(const EpNetArgs& a) {
 }
 
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetV2CombineForward(const EpNetArgs& a) {
+MORI_DEVICE void V2CombineForward(const EpNetArgs& a, const NetEpochs& e) {
   using Meta = RelayMeta<kCfg>;
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
   constexpr int kTok = NetTokenBytes(kCfg);
   const int rank = a.rank, lane = plat::lane_id(), node = rank / kG;
-  WaitRanks<kCfg>(a, kSigCombDone, OwnCount<kCfg>(a, kSigCombDone), kNetWaitCombineDone, NodeOf<kCfg>(rank));
-  const uint64_t epoch = OwnCount<kCfg>(a, kSigDispDone) / kDoneUnit;  // the latest dispatch's
+  WaitRanks<kCfg>(a, kSigCombDone, (e.comb + 1) * kDoneUnit, kNetWaitCombineDone, NodeOf<kCfg>(rank));
+  const uint64_t epoch = e.disp;  // the latest dispatch's
   const int* relay_meta = Local<int>(a, a.off_relay_meta);
   const char* comb_relay = Local<char>(a, a.off_comb_relay);
   const float* comb_relay_wts = Local<float>(a, a.off_comb_relay_wts);
@@ -249,11 +256,11 @@ MORI_DEVICE void NetV2CombineForward(const EpNetArgs& a) {
 }
 
 template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void NetV2CombineRecv(const EpNetArgs& a) {
+MORI_DEVICE void V2CombineRecv(const EpNetArgs& a, const NetEpochs& e) {
   constexpr int kK = kCfg.numExpertPerToken, kG = kCfg.gpuPerNode;
-  WaitRanks<kCfg>(a, kSigCombFwdDone, OwnCount<kCfg>(a, kSigCombFwdDone), kNetWaitCombineForwardDone,
+  WaitRanks<kCfg>(a, kSigCombFwdDone, (e.combFwd + 1) * kDoneUnit, kNetWaitCombineForwardDone,
                   SameLocalIndex<kCfg>(a.rank));
-  ReportShortPeers(a, kCfg.worldSize, int(OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit));
+  ReportShortPeers(a, kCfg.worldSize, int(e.comb + 1));
   const int lane = plat::lane_id();
   const int* tok_dest = Local<int>(a, a.off_tok_dest);
   for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
@@ -268,6 +275,14 @@ MORI_DEVICE void NetV2CombineRecv(const EpNetArgs& a) {
     }
     SumCombRows<kCfg, T>(a, t, nodes, nn);
   }
+}
+
+template <EpNetCfg kCfg, typename T>
+MORI_DEVICE void NetV2Combine(const EpNetArgs& a) {
+  const NetEpochs e = ReadEpochs<kCfg>(a);
+  V2CombineSend<kCfg, T>(a, e);
+  V2CombineForward<kCfg, T>(a, e);
+  V2CombineRecv<kCfg, T>(a, e);
 }
 
 }  // namespace mori::epnet

@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
+from mori_jit.ops.ep.grid_share import MPS_THREAD_PERCENTAGE
+
 from .gpu_world import placement, run_ep_job
 
 __all__ = ["MPS_THREAD_PERCENTAGE", "mps_thread_percentage", "run_shmem_job"]
-
-MPS_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 def mps_thread_percentage(ranks_per_gpu: int) -> Optional[int]:

@@ -21,6 +21,7 @@ from .arena import SymmArena
 from .kernel_cfg import COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, LAYOUT, CombWord, EpMaxRecv, ErrCode
 from .config import EpDispatchCombineConfig
 from .device_errors import WAIT_MESSAGES, decode_error
+from .grid_share import ranks_dividing_cus
 from .hip_host import (CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset,
                        make_combine)
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
@@ -67,12 +68,13 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         self._toolchain = get_toolchain()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self._num_cus = props.multi_processor_count
+        sharing = ranks_dividing_cus(self.ranks_per_device)
         if cfg.is_internode:
             from .backend_internode import net_regions
             from .internode_variants import net_variants
-            self._variants = net_variants(cfg, self._toolchain.arch, self._num_cus, self.ranks_per_device)
+            self._variants = net_variants(cfg, self._toolchain.arch, self._num_cus, sharing)
             return net_regions(self._variants)
-        self._variants = ep_variants(cfg, self._toolchain.arch, self._num_cus, self.ranks_per_device)
+        self._variants = ep_variants(cfg, self._toolchain.arch, self._num_cus, sharing)
         return self._variants.region_bytes()
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:

@@ -1,28 +1,27 @@
-"""The ``hip`` backend's internode kernel set: the ``v2_ll`` and ``v2`` passes on an NVSHMEM arena.
+"""The ``hip`` backend's internode kernel set: the ``v2_ll`` and ``v2`` kernels on an NVSHMEM arena.
 
-Each leg is one :class:`~mori_jit.jit.plan.LaunchGroup` per bucket (its family's passes of that
-leg, ``internode_cfg.FAMILY_PASSES``) over one args struct per leg, rewritten per call: no
-compile, no host sync, so a whole step can be captured in a CUDA graph.
+Each leg of each bucket is one kernel (its family's phases of that leg), bound to one args struct
+per leg that each call rewrites: one driver launch per call, no compile, no host sync, so a
+whole step can be captured in a CUDA graph.
 Device errors (timed-out waits, a short combine input) land in host-mapped words that the next
 call reads without syncing. Outputs and the routing are the intranode op's (same contract).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from mori_jit.jit.compile import build_many
-from mori_jit.jit.plan import LaunchGroup, prepare
+from mori_jit.jit.plan import prepare
 
 from .arena import SymmArena
 from .config import EpDispatchCombineConfig
 from .device_errors import NET_WAIT_MESSAGES, decode_net_error
 from .hip_host import (CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset,
                        make_combine)
-from .internode_cfg import EP_NET_ARGS, EP_NET_REGIONS, FAMILY_PASSES, NetMaxRecv, net_region_bytes
+from .internode_cfg import EP_NET_ARGS, EP_NET_REGIONS, NetMaxRecv, net_region_bytes
 from .internode_spec import net_spec
 from .internode_variants import NetVariants
+from .kernel_cfg import COMBINE, DISPATCH
 from .op import EpDeviceError, KernelSet
 
 __all__ = ["build_net_kernels", "net_regions", "decode_net_error", "NET_WAIT_MESSAGES", "NET_SYNC_REGIONS"]
@@ -33,16 +32,10 @@ NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "comb_short", "sync", "
 
 def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVariants, toolchain,
                       device: torch.device, group) -> KernelSet:
-    """Compile and load every pass of every bucket of ``var`` and return the op's KernelSet."""
+    """Compile and load both legs of every bucket of ``var`` and return the op's KernelSet."""
     requests = var.requests()
     build_many(requests, toolchain)  # misses compile in parallel; loading stays on this thread
     plans = {(spec.name, c): prepare(spec, c, toolchain, device) for spec, c in requests}
-
-    def group_of(family, leg, cfgs):  # one LaunchGroup per (bucket, leg): its passes in order
-        return LaunchGroup(plans[(net_spec(family, p).name, c)] for p, c in zip(FAMILY_PASSES[family][leg], cfgs))
-
-    disp_groups = [group_of(f, 0, d) for f, d in zip(var.families, var.dispatch)]
-    comb_groups = [group_of(f, 1, c) for f, c in zip(var.families, var.combine)]
 
     err = ErrorWords()
     err_words = err.words
@@ -50,7 +43,13 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
     base.base = arena.tensor.data_ptr()
     dargs, cargs = EP_NET_ARGS.ctype.from_buffer_copy(base), EP_NET_ARGS.ctype.from_buffer_copy(base)
 
-    cap, hidden, k = NetMaxRecv(var.dispatch[0][0]), cfg.hidden_dim, cfg.num_experts_per_token
+    def bound(family, leg, c, args):  # one kernel per (bucket, leg), launched with its leg's struct
+        return plans[(net_spec(family, leg).name, c)].bind_struct(args)
+
+    disp_launches = [bound(f, DISPATCH, d, dargs) for f, d in zip(var.families, var.dispatch)]
+    comb_launches = [bound(f, COMBINE, c, cargs) for f, c in zip(var.families, var.combine)]
+
+    cap, hidden, k = NetMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
     out = arena.view("disp_out", cfg.dispatch_dtype, (cap, hidden))
     out_w = arena.view("out_wts", torch.float32, (cap, k))
     out_idx = arena.view("out_idx", torch.int32, (cap, k))
@@ -63,13 +62,13 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
         dargs.inpWeights = _weights_ptr(weights, given)
         dargs.inpIndices = indices.data_ptr()
         dargs.numTokens = x.shape[0]
-        disp_groups[v].launch_struct(dargs)
+        disp_launches[v]()
         return (out, out_w if weights is not None else None, None, out_idx, total_recv,
                 HipRouting(x.shape[0], recv_src, total_recv))
 
     new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, device)
 
-    combine = make_combine(cargs, [functools.partial(g.launch_struct, cargs) for g in comb_groups], new_outputs, given)
+    combine = make_combine(cargs, comb_launches, new_outputs, given)
     inp_buffer = InputBuffer(cap, hidden, cfg.combine_dtype, device)  # (plain memory: the combine stages what it puts)
 
     def check():
@@ -89,9 +88,9 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
                      capabilities=frozenset({"graph", "zero_copy_combine", "internode"}),
                      check=check, reset=lambda: collective_reset(device, group, clear),
                      combine_input_buffer=inp_buffer.get, close=close,
-                     bound_launches={})
+                     bound_launches={DISPATCH: tuple(disp_launches), COMBINE: tuple(comb_launches)})
 
 
 def net_regions(var: NetVariants) -> dict[str, int]:
     """Region sizes of the internode arena for ``var`` (every bucket shares one shape)."""
-    return net_region_bytes(var.dispatch[0][0], var.combine[0][0], var.families)
+    return net_region_bytes(var.dispatch[0], var.combine[0], var.families)

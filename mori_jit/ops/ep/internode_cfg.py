@@ -6,10 +6,11 @@ reach peers through the SHMEM engine (``kernels/transport/``), so their arena is
 symmetric memory and addresses are this rank's (the engine maps them to a peer's); region offsets
 and the rank are runtime arguments, never Cfg fields (docs/design.md §11).
 
-A leg is a sequence of passes (:data:`FAMILY_PASSES`), each its own kernel (spec, entry name,
-key), launched as one group: ``v2_ll`` sends then receives, ``v2`` sends, forwards inside the node,
-then receives. Stream order between the passes of one rank replaces any wait of a block on another
-block of the same rank, so no grid needs to be resident as a whole.
+Each family has one kernel per leg (:data:`LEGS`; its own spec, entry name and key), launched
+with one host call: ``v2_ll`` sends then receives, ``v2`` sends, forwards inside the node, then
+receives, as phases of that one kernel. A phase waits for the earlier phases of its own rank's
+blocks through the same signals it waits on for its peers, so a leg's grid must be resident as a
+whole: it never exceeds the rank's share of the SMs (``grid_share``), as for the intranode kernels.
 """
 from __future__ import annotations
 
@@ -24,48 +25,39 @@ from mori_jit.jit.toolchain import vendor_of, wave_size_for_arch
 
 from .cfg_shared import ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, leg_io_args, rule_problems
 from .contract import ROW_ALIGN
+from .kernel_cfg import COMBINE, DISPATCH
 from .kernel_consts import EpDType, ErrCode, FlagUnit
 
-__all__ = ["EpNetCfg", "NetWaitId", "NetSignal", "EP_NET_ARGS", "EP_NET_REGIONS", "EP_NET_MAX_RANKS", "PASSES",
-           "FAMILY_PASSES",
-           "DISPATCH_PASSES", "COMBINE_PASSES", "TRANSPORTS", "make_net_cfg", "net_region_bytes", "net_cfg_problems",
+__all__ = ["EpNetCfg", "NetWaitId", "NetSignal", "EP_NET_ARGS", "EP_NET_REGIONS", "EP_NET_MAX_RANKS", "LEGS",
+           "TRANSPORTS", "make_net_cfg", "net_region_bytes", "net_cfg_problems",
            "NetTokenBytes", "NetBlockThreads", "NetMaxRecv", "NetNumExperts", "NetIsValid"]
 
 #: Most ranks an internode op spans (the signal rows are one word per rank).
 EP_NET_MAX_RANKS = 1024
-#: Each family's passes, per leg (dispatch, combine), in launch order.
-FAMILY_PASSES = {
-    "v2_ll": (("dispatch_send", "dispatch_recv"), ("combine_send", "combine_recv")),
-    "v2": (("dispatch_send", "dispatch_forward", "dispatch_recv"), ("combine_send", "combine_forward", "combine_recv")),
-}
-#: Every pass name of each leg, and of both.
-DISPATCH_PASSES = tuple(dict.fromkeys(p for legs in FAMILY_PASSES.values() for p in legs[0]))
-COMBINE_PASSES = tuple(dict.fromkeys(p for legs in FAMILY_PASSES.values() for p in legs[1]))
-PASSES = DISPATCH_PASSES + COMBINE_PASSES
+#: The legs; each family has one kernel per leg.
+LEGS = (DISPATCH, COMBINE)
 #: The transport header (``kernels/transport/<name>.hpp``) of each vendor that has one.
 TRANSPORTS = {"nvidia": "nvshmem"}
-#: Passes whose geometry does not follow the tuning table: one block of one warp (a bookkeeping pass).
-SINGLE_WARP_PASSES = ("dispatch_recv",)
 
 
 class NetWaitId(CConst):
     """Which spin-wait of the internode kernels timed out (the high bits of the error detail word)."""
 
-    kNetWaitPeerCombine = 11  # dispatch_send: a peer has not finished reading its previous combine input
-    kNetWaitPeerSlots = 12  # dispatch_send: a peer has not reset its receive slots after its previous dispatch
-    kNetWaitDispatchDone = 13  # dispatch_recv (v2: dispatch_forward): a peer's dispatch_send has not signalled done
-    kNetWaitCombineDone = 14  # combine_recv (v2: combine_forward): a peer's combine_send has not signalled done
-    kNetWaitRelayFree = 15  # v2 dispatch_send: a forwarder has not forwarded its previous relay rows
-    kNetWaitForwardDone = 16  # v2 dispatch_recv: a forwarder of this node has not signalled done
-    kNetWaitCombineForwardDone = 17  # v2 combine_recv: a forwarder has not sent its node's partial sums
+    kNetWaitPeerCombine = 11  # dispatch send: a peer has not finished reading its previous combine input
+    kNetWaitPeerSlots = 12  # dispatch send: a peer has not reset its receive slots after its previous dispatch
+    kNetWaitDispatchDone = 13  # dispatch receive (v2: forward): a peer's dispatch send has not signalled done
+    kNetWaitCombineDone = 14  # combine receive (v2: forward): a peer's combine send has not signalled done
+    kNetWaitRelayFree = 15  # v2 dispatch send: a forwarder has not forwarded its previous relay rows
+    kNetWaitForwardDone = 16  # v2 dispatch receive: a forwarder of this node has not signalled done
+    kNetWaitCombineForwardDone = 17  # v2 combine receive: a forwarder has not sent its node's partial sums
 
 
 class NetSignal(CConst):
     """Rows of the `signals` region: one u64 word per writing rank in each row."""
 
-    kSigDispDone = 0  # a source's dispatch_send is done (FlagUnit.kDoneUnit per epoch, shared by its blocks)
+    kSigDispDone = 0  # a source's dispatch send is done (FlagUnit.kDoneUnit per epoch, shared by its blocks)
     kSigSlotsFree = 1  # a destination reset its receive slot counter (1 per dispatch)
-    kSigCombDone = 2  # a rank's combine_send is done (FlagUnit.kDoneUnit per epoch): its input is read
+    kSigCombDone = 2  # a rank's combine send is done (FlagUnit.kDoneUnit per epoch): its input is read
     kSigRelayFree = 3  # v2: a forwarder has forwarded its relay rows (kDoneUnit per epoch)
     kSigFwdDone = 4  # v2: a forwarder's rows are written on its node (kDoneUnit per epoch)
     kSigCombFwdDone = 5  # v2: a forwarder's partial sums are written on the sources (kDoneUnit per epoch)
@@ -73,7 +65,7 @@ class NetSignal(CConst):
 
 @dataclasses.dataclass(frozen=True)
 class EpNetCfg:
-    """One pass of an internode EP kernel. Geometry is in here, so in the key."""
+    """One leg of an internode EP kernel family. Geometry is in here, so in the key."""
 
     worldSize: int = 16
     gpuPerNode: int = 8
@@ -97,7 +89,7 @@ NetTokenBytes = Derived("NetTokenBytes", "EpNetCfg", C.hiddenDim * NetElemBytes,
 NetBlockThreads = Derived("NetBlockThreads", "EpNetCfg", C.warpPerBlock * C.waveSize, doc="threads per block")
 NetMaxRecv = Derived("NetMaxRecv", "EpNetCfg", MAX_RECV, doc="receive capacity in rows")
 NetNumExperts = Derived("NetNumExperts", "EpNetCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
-NetSummable = Derived("NetSummable", "EpNetCfg", SUMMABLE, ctype="bool", doc="the dtype can be reduced (combine passes)")
+NetSummable = Derived("NetSummable", "EpNetCfg", SUMMABLE, ctype="bool", doc="the dtype can be reduced (combine)")
 
 _RULES: list[tuple[Any, str]] = [
     (C.worldSize >= 2, "worldSize must be >= 2 (internode)"),
@@ -136,7 +128,7 @@ EP_NET_REGIONS: dict[str, str] = {
     "out_wts": "received weights [maxRecv, k] f32 (written by peers)",
     "out_idx": "received expert ids [maxRecv, k] i32 (written by peers)",
     "recv_to_src": "reverse map [maxRecv] i32: srcRank*M + srcTok (written by peers)",
-    "recv_cnt": "receive slot counter [1] i32 (peers claim slots with a remote fetch-add; reset by dispatch_recv)",
+    "recv_cnt": "receive slot counter [1] i32 (peers claim slots with a remote fetch-add; reset by the dispatch)",
     "total_recv": "rows received by the last dispatch [1] i32 (local)",
     "tok_dest": "each token's distinct destination ranks [M, k] i32, -1 for none (local: combine reads it)",
     "disp_stage": "token rows staged for puts [M, tokenBytes] (local: a put's source is symmetric)",
@@ -153,7 +145,7 @@ EP_NET_REGIONS: dict[str, str] = {
     "relay": "v2: rows to forward [nodes, M, tokenBytes] (written by the sources of this local index)",
     "relay_meta": "v2: their metadata [nodes, M, 2k+3] i32: weights, ids, source, node mask, epoch (written by sources)",
     "relay_stage_meta": "v2: metadata staged for puts [M, nodes, 2k+3] i32 (local)",
-    "relay_out_cnt": "v2: relay slots claimed per destination node [nodes] i32 (local; reset by dispatch_recv)",
+    "relay_out_cnt": "v2: relay slots claimed per destination node [nodes] i32 (local; reset by the dispatch)",
     "recv_relay": "v2: relay index of each received row [maxRecv] i32 (written by this node's forwarders)",
     "comb_relay": "v2: combine rows to sum [nodes * M, gpuPerNode, combTokenBytes] (written by this node's ranks)",
     "comb_relay_wts": "v2: their weights [nodes * M, gpuPerNode, k] f32 (written by this node's ranks)",
@@ -173,7 +165,7 @@ register_header(GeneratedHeader(
 
 
 def net_region_bytes(disp: EpNetCfg, comb: EpNetCfg, families=("v2_ll",)) -> dict[str, int]:
-    """Bytes of each region for dispatch passes of ``disp`` and combine passes of ``comb`` (one
+    """Bytes of each region for a dispatch of ``disp`` and a combine of ``comb`` (one
     shape) of an op that builds ``families`` (the ``v2`` regions are empty without ``v2``)."""
     recv, k, m, ws = NetMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank, disp.worldSize
     tok, ctok = NetTokenBytes(disp), NetTokenBytes(comb)
@@ -190,19 +182,15 @@ def net_region_bytes(disp: EpNetCfg, comb: EpNetCfg, families=("v2_ll",)) -> dic
     }
 
 
-def make_net_cfg(pass_name: str, arch: str, request: Mapping[str, Any]) -> EpNetCfg:
-    """The EpNetCfg of pass ``pass_name`` on ``arch`` with ``request`` applied. A combine pass
-    refuses byte dtypes (they can be moved, not summed); a single-warp pass takes one block of one
-    warp whatever the request's geometry, so every bucket shares its binary."""
-    if pass_name not in PASSES:
-        raise ValueError(f"internode pass must be one of {PASSES}, got {pass_name!r}")
+def make_net_cfg(leg: str, arch: str, request: Mapping[str, Any]) -> EpNetCfg:
+    """The EpNetCfg of ``leg`` (one of :data:`LEGS`) on ``arch`` with ``request`` applied. The
+    combine refuses byte dtypes (they can be moved, not summed)."""
+    if leg not in LEGS:
+        raise ValueError(f"internode leg must be one of {LEGS}, got {leg!r}")
     if vendor_of(arch) not in TRANSPORTS:
         raise ConfigError(f"internode kernels on {arch}: no SHMEM transport for {arch} ({vendor_of(arch)}); they run "
                           f"on NVSHMEM (NVIDIA) only")
-    merged = {**request, "waveSize": wave_size_for_arch(arch)}
-    if pass_name in SINGLE_WARP_PASSES:
-        merged.update(blockNum=1, warpPerBlock=1)
-    cfg = apply_request(EpNetCfg(), merged)
-    if pass_name in COMBINE_PASSES and not NetSummable(cfg):
+    cfg = apply_request(EpNetCfg(), {**request, "waveSize": wave_size_for_arch(arch)})
+    if leg == COMBINE and not NetSummable(cfg):
         raise ConfigError(f"combine dtype {cfg.dtype.name} cannot be summed; combine supports Bf16 and Fp32")
     return cfg

@@ -1,9 +1,8 @@
-"""The internode EP kernel specs: one spec per (family, pass), each its own entry names and keys.
+"""The internode EP kernel specs: one spec per (family, leg), each its own entry names and keys.
 
-``v2_ll`` (low latency, ``kernels/ep/ep_net_ll.hpp``): ``ep_ll_dispatch_send``,
-``ep_ll_dispatch_recv``, ``ep_ll_combine_send``, ``ep_ll_combine_recv``; ``v2`` (hierarchical,
-``kernels/ep/ep_net_v2.hpp``): ``ep_v2_dispatch_send``, ``ep_v2_dispatch_forward``,
-``ep_v2_dispatch_recv``, ``ep_v2_combine_send``, ``ep_v2_combine_forward``, ``ep_v2_combine_recv``.
+``v2_ll`` (low latency, ``kernels/ep/ep_net_ll.hpp``): ``ep_ll_dispatch``, ``ep_ll_combine``;
+``v2`` (hierarchical, ``kernels/ep/ep_net_v2.hpp``): ``ep_v2_dispatch``, ``ep_v2_combine``. Each
+leg's phases (send, forward, receive) run in its one kernel.
 Every spec is device-linked against NVSHMEM (its module joins the process's NVSHMEM instance when
 loaded) and renders the transport header of its vendor; AMD has none here.
 """
@@ -20,20 +19,17 @@ from .specs import ELEM_TYPES
 
 __all__ = ["EpNetSpec", "NET_SPECS", "FAMILY_BODIES", "TRANSPORTS", "net_spec"]
 
-#: Each built family: its body header and the body function of each pass.
+#: Each built family: its body header and the body function of each leg (internode_cfg.LEGS).
 FAMILY_BODIES = {
-    "v2_ll": ("ep/ep_net_ll.hpp", {"dispatch_send": "NetLlDispatchSend", "dispatch_recv": "NetLlDispatchRecv",
-                                   "combine_send": "NetLlCombineSend", "combine_recv": "NetLlCombineRecv"}),
-    "v2": ("ep/ep_net_v2.hpp", {"dispatch_send": "NetV2DispatchSend", "dispatch_forward": "NetV2DispatchForward",
-                                "dispatch_recv": "NetV2DispatchRecv", "combine_send": "NetV2CombineSend",
-                                "combine_forward": "NetV2CombineForward", "combine_recv": "NetV2CombineRecv"}),
+    "v2_ll": ("ep/ep_net_ll.hpp", {"dispatch": "NetLlDispatch", "combine": "NetLlCombine"}),
+    "v2": ("ep/ep_net_v2.hpp", {"dispatch": "NetV2Dispatch", "combine": "NetV2Combine"}),
 }
 _SHORT = {"v2_ll": "ll", "v2": "v2"}  # (spec and entry names)
 
 
 class EpNetSpec(Spec):
-    """One pass of one internode family (``family``: ``v2_ll`` or ``v2``; ``pass_name``: one of
-    its passes, ``internode_cfg.FAMILY_PASSES``)."""
+    """One leg of one internode family (``family``: ``v2_ll`` or ``v2``; ``leg``: ``dispatch`` or
+    ``combine``)."""
 
     cfg_type = EpNetCfg
     args = EP_NET_ARGS
@@ -41,15 +37,15 @@ class EpNetSpec(Spec):
     deps = ("kernels/platform", "kernels/common", "kernels/ep", "kernels/transport")
     device_libraries = (NVSHMEM,)
 
-    def __init__(self, family: str, pass_name: str):
-        if family not in FAMILY_BODIES or pass_name not in FAMILY_BODIES[family][1]:
-            raise ValueError(f"internode spec: family {family!r} (built: {tuple(FAMILY_BODIES)}), pass {pass_name!r} "
-                             f"(its passes: {tuple(FAMILY_BODIES.get(family, ('', {}))[1])})")
-        self.family, self.pass_name = family, pass_name
-        self.name = f"ep_{_SHORT[family]}_{pass_name}"
+    def __init__(self, family: str, leg: str):
+        if family not in FAMILY_BODIES or leg not in FAMILY_BODIES[family][1]:
+            raise ValueError(f"internode spec: family {family!r} (built: {tuple(FAMILY_BODIES)}), leg {leg!r} "
+                             f"(legs: {tuple(FAMILY_BODIES.get(family, ('', {}))[1])})")
+        self.family, self.leg = family, leg
+        self.name = f"ep_{_SHORT[family]}_{leg}"
 
     def default_cfg(self, toolchain: Toolchain) -> EpNetCfg:
-        return make_net_cfg(self.pass_name, toolchain.arch, {})
+        return make_net_cfg(self.leg, toolchain.arch, {})
 
     def precompile_cfgs(self, toolchain: Toolchain) -> list[EpNetCfg]:
         """The default config where it can be built: none on a vendor without a transport, or
@@ -63,10 +59,10 @@ class EpNetSpec(Spec):
         return [self.default_cfg(toolchain)]
 
     def make_cfg(self, toolchain: Toolchain, request=None) -> EpNetCfg:
-        return make_net_cfg(self.pass_name, toolchain.arch, request or {})
+        return make_net_cfg(self.leg, toolchain.arch, request or {})
 
     def entry_name(self, cfg: EpNetCfg) -> str:
-        return (f"mori_ep{_SHORT[self.family]}_{self.pass_name}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}"
+        return (f"mori_ep{_SHORT[self.family]}_{self.leg}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}"
                 f"_g{cfg.gpuPerNode}_h{cfg.hiddenDim}_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}")
 
     def geometry(self, cfg: EpNetCfg) -> Geometry:
@@ -78,14 +74,14 @@ class EpNetSpec(Spec):
             raise ToolchainError(f"{self.name}: no SHMEM transport for {toolchain.arch} ({toolchain.vendor}); the "
                                  f"internode kernels run on NVSHMEM (NVIDIA) only")
         header, bodies = FAMILY_BODIES[self.family]
-        return {"transport": transport, "body_header": header, "body": bodies[self.pass_name],
+        return {"transport": transport, "body_header": header, "body": bodies[self.leg],
                 "elem_t": ELEM_TYPES[cfg.dtype]}
 
 
-NET_SPECS = {(family, p): register(EpNetSpec(family, p)) for family, (_, bodies) in FAMILY_BODIES.items()
-             for p in bodies}
+NET_SPECS = {(family, leg): register(EpNetSpec(family, leg)) for family, (_, bodies) in FAMILY_BODIES.items()
+             for leg in bodies}
 
 
-def net_spec(family: str, pass_name: str) -> EpNetSpec:
-    """The registered spec of ``pass_name`` of ``family``."""
-    return NET_SPECS[(family, pass_name)]
+def net_spec(family: str, leg: str) -> EpNetSpec:
+    """The registered spec of ``leg`` of ``family``."""
+    return NET_SPECS[(family, leg)]

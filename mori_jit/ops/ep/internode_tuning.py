@@ -1,10 +1,10 @@
-"""The internode tuning table: geometry of each internode pass by token count.
+"""The internode tuning table: geometry of each internode leg by token count.
 
 Keyed ``(device_key, world_size, hidden, topk)`` (``device_key``: the target arch, e.g. ``sm_90a``),
 then by the dispatch dtype's name; each entry is a list of paired rows
 ``(max_tokens | None, disp_block, disp_rdma, disp_warp, comb_block, comb_rdma, comb_warp)``: both
 legs' geometry for calls of at most ``max_tokens`` tokens (``None``: every larger call). ``*_rdma``
-are the blocks a hierarchical (``v2``) pass gives to the network; the low-latency family (``v2_ll``)
+are the blocks a hierarchical (``v2``) kernel gives to the network; the low-latency family (``v2_ll``)
 has no such split and ignores them. ``device_key`` ``None`` is a wildcard over arches.
 
 No row has been measured on a machine with a network yet (several PEs on one GPU measure the

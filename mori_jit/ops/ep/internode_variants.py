@@ -2,7 +2,7 @@
 
 From a config, an arch and the rank's share of the SMs: the token-count buckets (the tuning
 table's edges, plus ``internode_auto_ll_max_tokens`` under ``auto``), each bucket's family
-(``v2_ll`` or ``v2``) and the EpNetCfg of each pass of each leg. ``auto`` switches family by the
+(``v2_ll`` or ``v2``) and the EpNetCfg of each leg (one kernel each). ``auto`` switches family by the
 launch's token count: a bucket of at most ``internode_auto_ll_max_tokens`` tokens takes ``v2_ll``,
 a larger one ``v2``; buckets no call can reach (above ``max_num_inp_token_per_rank``) are left out,
 so an op whose every call is small builds only ``v2_ll``. Every rank of one call must fall on the
@@ -18,9 +18,9 @@ from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import vendor_of
 
 from .config import EpDispatchCombineConfig
-from .internode_cfg import EP_NET_MAX_RANKS, FAMILY_PASSES, EpNetCfg, make_net_cfg
+from .internode_cfg import EP_NET_MAX_RANKS, EpNetCfg, make_net_cfg
 from .internode_tuning import net_rows
-from .kernel_cfg import EpDType
+from .kernel_cfg import COMBINE, DISPATCH, EpDType
 from .grid_share import check_num_cus, check_pin, grid_budget
 from .schedule import Schedule
 
@@ -32,20 +32,20 @@ BUILT_FAMILIES = ("v2_ll", "v2")
 
 @dataclasses.dataclass(frozen=True)
 class NetVariants:
-    """The schedule and, per bucket, its family and the EpNetCfg of each pass of each leg."""
+    """The schedule and, per bucket, its family and the EpNetCfg of each leg."""
 
     schedule: Schedule
     families: tuple[str, ...]
-    dispatch: tuple[tuple[EpNetCfg, ...], ...]  # per bucket: one per dispatch pass of its family
-    combine: tuple[tuple[EpNetCfg, ...], ...]  # per bucket: one per combine pass of its family
+    dispatch: tuple[EpNetCfg, ...]  # per bucket
+    combine: tuple[EpNetCfg, ...]  # per bucket
 
     def requests(self) -> list[tuple]:
         """The distinct ``(spec, EpNetCfg)`` pairs to prepare, in launch order."""
         from .internode_spec import net_spec
         out: dict = {}
         for fam, disp, comb in zip(self.families, self.dispatch, self.combine):
-            for p, c in zip(FAMILY_PASSES[fam][0] + FAMILY_PASSES[fam][1], disp + comb):
-                out.setdefault((net_spec(fam, p), c), None)
+            out.setdefault((net_spec(fam, DISPATCH), disp), None)
+            out.setdefault((net_spec(fam, COMBINE), comb), None)
         return list(out)
 
 
@@ -141,11 +141,8 @@ def net_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_pe
         top = edge if edge is not None else cfg.max_num_inp_token_per_rank
         row = next(r for r in rows if r[0] is None or r[0] >= top)
         _, db, _, dw, cb, _, cw = row
-        disp_passes, comb_passes = FAMILY_PASSES[fam]
-        disp.append(tuple(make_net_cfg(p, arch, {**common, "dtype": disp_dtype, "blockNum": db, "warpPerBlock": dw})
-                          for p in disp_passes))
-        comb.append(tuple(make_net_cfg(p, arch, {**common, "dtype": comb_dtype, "blockNum": cb, "warpPerBlock": cw})
-                          for p in comb_passes))
+        disp.append(make_net_cfg(DISPATCH, arch, {**common, "dtype": disp_dtype, "blockNum": db, "warpPerBlock": dw}))
+        comb.append(make_net_cfg(COMBINE, arch, {**common, "dtype": comb_dtype, "blockNum": cb, "warpPerBlock": cw}))
         sched_d.append((db, dw))
         sched_c.append((cb, cw))
     return NetVariants(Schedule(tuple(edges), tuple(sched_d), tuple(sched_c)), families, tuple(disp), tuple(comb))
