@@ -103,17 +103,6 @@ def test_the_live_op_refuses_internode_before_allocating(hip_version):
     run_distributed(_internode_gate_job, 2, hip_version, timeout=120)
 
 
-def test_unverified_paths_name_internode_only():
-    import torch
-
-    from mori_jit.ops.ep.unverified import unverified_paths
-
-    assert unverified_paths(_cfg()) == []  # the intranode op has passed the GPU suite, with its MoE options
-    assert unverified_paths(_cfg(index_dtype=torch.int64, expert_counts=True, routing_replay=True)) == []
-    assert unverified_paths(_cfg(gpu_per_node=1)) == [
-        "internode on NVSHMEM (gpu_per_node=1 < world_size=2, internode_kernel='auto')"]
-
-
 def test_internode_refuses_the_moe_options_by_name():
     gaps = hip_gaps(_cfg(gpu_per_node=1, routing_replay=True, scale_dim=2, scale_type_size=4), "sm_90a")
     assert ("the MoE-layer options on the internode kernels (scale_dim=2, scale_type_size=4, routing_replay=True): "

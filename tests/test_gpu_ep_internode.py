@@ -26,13 +26,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(autouse=True)
-def _run_unverified_paths(monkeypatch):
-    """These tests verify paths the live op refuses until they pass here (ops/ep/unverified.py);
-    the spawned ranks inherit the setting."""
-    monkeypatch.setenv("MORI_EP_UNVERIFIED", "1")
-
-
 BF16, FP32 = torch.bfloat16, torch.float32
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)

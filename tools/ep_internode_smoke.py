@@ -98,7 +98,6 @@ def main() -> int:
                     help="then time the Python side of this many dispatch + combine calls")
     a = ap.parse_args()
     os.environ.setdefault("MORI_EP_TIMEOUT_S", "10")
-    os.environ.setdefault("MORI_EP_UNVERIFIED", "1")  # (internode has not passed the GPU suite yet)
     from _pytest.outcomes import Skipped
 
     from mori_jit.testing.gpu_world import stop_mps

@@ -12,7 +12,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import knobs
 from mori_jit.jit.compile import build_many
 from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
@@ -28,7 +27,6 @@ from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
 from .backend_hip_moe import ExpertLayouts, ScaleViews, expert_major_combine
 from .quant import ue8m0_dtype
 from .results import EpCapacityError
-from .unverified import unverified_paths
 from .variants import ep_variants, hip_gaps
 
 __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSAGES", "decode_error", "_weights_ptr"]
@@ -47,9 +45,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
         missing = hip_gaps(cfg)  # (shared with mori-jit precompile --ep)
-        if not knobs.ep.unverified:
-            missing += [f"{p}: built, not yet verified on a GPU (MORI_EP_UNVERIFIED=1 runs it)"
-                        for p in unverified_paths(cfg)]
         if not torch.cuda.is_available():
             missing.append("a CUDA/ROCm device (none visible)")
         elif cfg.is_internode and not missing:

@@ -1,7 +1,7 @@
 """The EP op's settings, read from the environment (see :mod:`mori_jit.jit.knobs` for the framework's)."""
 from __future__ import annotations
 
-from mori_jit.jit.knobs import BoolSetting, Group, IntListSetting, PositiveFloatSetting, PrefixSetting, StrSetting
+from mori_jit.jit.knobs import Group, IntListSetting, PositiveFloatSetting, PrefixSetting, StrSetting
 
 __all__ = ["EpKnobs", "ep"]
 
@@ -17,9 +17,6 @@ class EpKnobs(Group):
                                      "how long an EP kernel spin-waits before it gives up and reports a timeout")
     cfg_overrides = PrefixSetting("MORI_V2_EP_", "MORI_V2_EP_[DISPATCH_|COMBINE_]<FIELD>: an EpCfg field of both "
                                                  "legs or one (e.g. MORI_V2_EP_COMBINE_BLOCKNUM=64); enters the key")
-    unverified = BoolSetting("MORI_EP_UNVERIFIED", False,
-                             "let the hip backend run what is built and CPU-tested but has not yet passed the EP "
-                             "GPU suite (see mori_jit/ops/ep/unverified.py); the GPU tests of those paths set it")
     test_world_sizes = IntListSetting("MORI_EP_TEST_WORLD_SIZES", (1, 2, 4, 8),
                                       "the world sizes the EP GPU tests run at (several ranks per GPU where the "
                                       "machine has fewer GPUs)")
