@@ -117,7 +117,8 @@ def test_the_share_of_the_sms_clamps_and_refuses_pins():
 
 
 def test_an_mps_thread_limit_is_already_the_share_of_the_sms(monkeypatch):
-    from mori_jit.ops.ep.grid_share import MPS_THREAD_PERCENTAGE, ranks_dividing_cus
+    from mori_jit.ops.ep.grid_share import ranks_dividing_cus
+    from mori_jit.testing.gpu_world_shmem import MPS_THREAD_PERCENTAGE
     monkeypatch.delenv(MPS_THREAD_PERCENTAGE, raising=False)
     assert ranks_dividing_cus(8) == 8  # the device reports every SM: each of 8 ranks takes an eighth
     monkeypatch.setenv(MPS_THREAD_PERCENTAGE, "12")

@@ -14,11 +14,13 @@ from typing import Optional
 
 import torch
 
-from mori_jit.ops.ep.grid_share import MPS_THREAD_PERCENTAGE
+from mori_jit.ops.ep.knobs import EpKnobs
 
 from .gpu_world import placement, run_ep_job
 
 __all__ = ["MPS_THREAD_PERCENTAGE", "mps_thread_percentage", "run_shmem_job"]
+
+MPS_THREAD_PERCENTAGE = EpKnobs.mps_thread_percentage.var  # (the op reads it; the harness sets it per job)
 
 
 def mps_thread_percentage(ranks_per_gpu: int) -> Optional[int]:

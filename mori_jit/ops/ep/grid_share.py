@@ -2,21 +2,18 @@
 intranode and internode variant walks (docs/design.md §9, "SM budget")."""
 from __future__ import annotations
 
-import os
-
 from mori_jit.jit.fields import ConfigError
 
-__all__ = ["check_num_cus", "grid_budget", "check_pin", "ranks_dividing_cus", "MPS_THREAD_PERCENTAGE"]
+from . import knobs
 
-#: CUDA MPS's per-process limit: with it set, the device reports only this process's share of the SMs.
-MPS_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+__all__ = ["check_num_cus", "grid_budget", "check_pin", "ranks_dividing_cus"]
 
 
 def ranks_dividing_cus(ranks_per_device: int) -> int:
     """How many ranks divide the CU/SM count this process sees: 1 under a CUDA MPS thread limit
     (the count is already this process's share, and the limits of co-located ranks sum to at most
     the device), else every rank on the device."""
-    return 1 if os.environ.get(MPS_THREAD_PERCENTAGE) else ranks_per_device
+    return 1 if knobs.ep.mps_thread_percentage else ranks_per_device
 
 
 def check_num_cus(num_cus) -> None:

@@ -7,8 +7,8 @@ __all__ = ["EpKnobs", "ep"]
 
 
 class EpKnobs(Group):
-    """The EP op's backend, its kernels' spin-wait bound, overrides of their EpCfg fields, and the
-    world sizes of its GPU tests."""
+    """The EP op's backend, its kernels' spin-wait bound, overrides of their EpCfg fields, CUDA MPS's
+    per-process SM limit (which the op reads, never sets), and the world sizes of its GPU tests."""
 
     name = "ep"
     kernel_backend = StrSetting("MORI_V2_KERNEL_BACKEND", None, "the EP backend when the op's config names none",
@@ -17,6 +17,11 @@ class EpKnobs(Group):
                                      "how long an EP kernel spin-waits before it gives up and reports a timeout")
     cfg_overrides = PrefixSetting("MORI_V2_EP_", "MORI_V2_EP_[DISPATCH_|COMBINE_]<FIELD>: an EpCfg field of both "
                                                  "legs or one (e.g. MORI_V2_EP_COMBINE_BLOCKNUM=64); enters the key")
+    mps_thread_percentage = StrSetting("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None,
+                                       "CUDA MPS's limit on this process's share of the GPU, in percent; when set, "
+                                       "the device reports only that share of its SMs, which is then a rank's "
+                                       "grid budget as it is (NVSHMEM needs it with several PEs on one GPU; the "
+                                       "GPU test harness sets it)")
     test_world_sizes = IntListSetting("MORI_EP_TEST_WORLD_SIZES", (1, 2, 4, 8),
                                       "the world sizes the EP GPU tests run at (several ranks per GPU where the "
                                       "machine has fewer GPUs)")
