@@ -125,10 +125,15 @@ MORI_DEVICE void SignalRanks(const EpNetArgs& a, NetSignal row, uint64_t value, 
   uint64_t* word = Signals<kCfg>(a, row) + a.rank;
   for (int i = 0; i < ranks.count; ++i) transport::signal_add(word, value, ranks[i]);
 }
+// Every thread of the block: CompleteBlock, then thread 0's SignalRanks.
+template <EpNetCfg kCfg>
+MORI_DEVICE void SignalAfterBlock(const EpNetArgs& a, NetSignal row, uint64_t value, Ranks ranks) {
+  CompleteBlock<kCfg>();
+  if (threadIdx.x == 0) SignalRanks<kCfg>(a, row, value, ranks);
+}
 template <EpNetCfg kCfg>
 MORI_DEVICE void SignalEveryRank(const EpNetArgs& a, NetSignal row, uint64_t value) {
-  CompleteBlock<kCfg>();
-  if (threadIdx.x == 0) SignalRanks<kCfg>(a, row, value, EveryRank<kCfg>());
+  SignalAfterBlock<kCfg>(a, row, value, EveryRank<kCfg>());
 }
 
 // The warp copies `bytes` (a multiple of 16) from src to dst with 16-byte vectors.

@@ -106,8 +106,7 @@ MORI_DEVICE void V2DispatchSend(const EpNetArgs& a, const NetEpochs& e) {
       }
     }
   }
-  CompleteBlock<kCfg>();
-  if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigDispDone, BlockShare(), EveryRank<kCfg>());
+  SignalEveryRank<kCfg>(a, kSigDispDone, BlockShare());
 }
 
 template <EpNetCfg kCfg, typename T>
@@ -176,8 +175,7 @@ MORI_DEVICE void V2DispatchRecv(const EpNetArgs& a, const NetEpochs& e) {
   PublishTotalRecv(a);
   int* out_cnt = Local<int>(a, a.off_relay_out_cnt);
   for (int n = threadIdx.x; n < kNodes<kCfg>; n += blockDim.x) out_cnt[n] = 0;
-  CompleteBlock<kCfg>();
-  if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigSlotsFree, 1, EveryRank<kCfg>());
+  SignalEveryRank<kCfg>(a, kSigSlotsFree, 1);
 }
 
 template <EpNetCfg kCfg, typename T>
@@ -203,8 +201,7 @@ MORI_DEVICE void V2CombineSend(const EpNetArgs& a, const NetEpochs& e) {
     const size_t at = size_t(recv_relay[i]) * kG + rank % kG;
     PushCombineRow<kCfg>(a, i, comb_relay + at * kTok, comb_relay_wts + at * kK, fwd);
   }
-  CompleteBlock<kCfg>();
-  if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigCombDone, BlockShare(), EveryRank<kCfg>());
+  SignalEveryRank<kCfg>(a, kSigCombDone, BlockShare());
 }
 
 template <EpNetCfg kCfg, typename T>
@@ -251,8 +248,7 @@ MORI_DEVICE void V2CombineForward(const EpNetArgs& a, const NetEpochs& e) {
       if (weights) transport::put_warp(comb_recv_wts + at * kK, stage_wts + size_t(j) * kK, kK * 4, home);
     }
   }
-  CompleteBlock<kCfg>();
-  if (threadIdx.x == 0) SignalRanks<kCfg>(a, kSigCombFwdDone, BlockShare(), SameLocalIndex<kCfg>(rank));
+  SignalAfterBlock<kCfg>(a, kSigCombFwdDone, BlockShare(), SameLocalIndex<kCfg>(rank));
 }
 
 template <EpNetCfg kCfg, typename T>
