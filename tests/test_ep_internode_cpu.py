@@ -349,3 +349,27 @@ def test_the_ranks_get_their_share_and_the_environment_is_restored(monkeypatch):
     monkeypatch.setattr(gpu_world_shmem, "placement", lambda ws: placement(ws, gpus=8))  # a GPU per rank
     gpu_world_shmem.run_shmem_job(None, 8)
     assert seen == ["12", "33", "40"] and os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+
+
+def test_the_receive_views_alias_their_regions_of_the_internode_arena():
+    import torch
+    from test_ep_layout_cpu import _RecordingProvider
+
+    from mori_jit.ops.ep.arena import SymmArena
+    from mori_jit.ops.ep.hip_host import receive_views
+
+    cfg = _cfg()
+    var = net_variants(cfg, "sm_90a", 132)
+    arena = SymmArena.create(net_region_bytes(var.dispatch[0], var.combine[0]), None, torch.device("cpu"),
+                             _RecordingProvider())
+    cap = cfg.recv_capacity
+    views = receive_views(arena, cfg, cap)
+    base = arena.tensor.data_ptr()
+    expect = {"out": ("disp_out", cfg.dispatch_dtype, (cap, cfg.hidden_dim)),
+              "weights": ("out_wts", torch.float32, (cap, cfg.num_experts_per_token)),
+              "indices": ("out_idx", torch.int32, (cap, cfg.num_experts_per_token)),
+              "recv_src": ("recv_to_src", torch.int32, (cap,)), "total_recv": ("total_recv", torch.int32, (1,))}
+    for field, (region, dtype, shape) in expect.items():
+        t = getattr(views, field)
+        assert (t.data_ptr() - base, t.dtype, tuple(t.shape)) == (arena.offsets[region], dtype, shape), field
+    arena.close()

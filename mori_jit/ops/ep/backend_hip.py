@@ -22,7 +22,7 @@ from .config import EpDispatchCombineConfig
 from .device_errors import WAIT_MESSAGES, decode_error
 from .grid_share import ranks_dividing_cus
 from .hip_host import (CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset,
-                       make_combine)
+                       make_combine, receive_views)
 from .op import EpDeviceError, EpDispatchCombineOp, KernelSet
 from .backend_hip_moe import ExpertLayouts, ScaleViews, expert_major_combine
 from .quant import ue8m0_dtype
@@ -104,11 +104,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         layout_launch = [p.bind_struct(largs) for p in layout_plans]
 
         cap, hidden, k = EpMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
-        out = arena.view("disp_out", cfg.dispatch_dtype, (cap, hidden))
-        out_w = arena.view("out_wts", torch.float32, (cap, k))
-        out_idx = arena.view("out_idx", cfg.index_dtype, (cap, k))
-        recv_src = arena.view("recv_to_src", torch.int32, (cap,))
-        total_recv = arena.view("total_recv", torch.int32, (1,))
+        out, out_w, out_idx, recv_src, total_recv = receive_views(arena, cfg, cap)
         made = None  # the dtype of the scales the kernels make (in-op quantization)
         if cfg.quant_type not in (None, "none"):
             made = torch.float32 if cfg.scale_type_size == 4 else ue8m0_dtype()

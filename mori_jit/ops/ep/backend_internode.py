@@ -17,7 +17,7 @@ from .arena import SymmArena
 from .config import EpDispatchCombineConfig
 from .device_errors import NET_WAIT_MESSAGES, decode_net_error
 from .hip_host import (CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset,
-                       make_combine)
+                       make_combine, receive_views)
 from .internode_cfg import EP_NET_ARGS, EP_NET_REGIONS, NetMaxRecv, net_region_bytes
 from .internode_spec import net_spec
 from .internode_variants import NetVariants
@@ -50,11 +50,7 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
     comb_launches = [bound(f, COMBINE, c, cargs) for f, c in zip(var.families, var.combine)]
 
     cap, hidden, k = NetMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
-    out = arena.view("disp_out", cfg.dispatch_dtype, (cap, hidden))
-    out_w = arena.view("out_wts", torch.float32, (cap, k))
-    out_idx = arena.view("out_idx", torch.int32, (cap, k))
-    recv_src = arena.view("recv_to_src", torch.int32, (cap,))
-    total_recv = arena.view("total_recv", torch.int32, (1,))
+    out, out_w, out_idx, recv_src, total_recv = receive_views(arena, cfg, cap)  # (ids: int32, no MoE options)
     given = arena.tensor.data_ptr()  # (see hip_host._weights_ptr)
 
     def dispatch(v, x, weights, scales, indices):

@@ -1,6 +1,7 @@
 """What the ``hip`` backend's intranode and internode kernel sets share on the host: the routing
-combine takes, the weights pointer, fresh combine outputs, the host-mapped error words, the args
-every launch starts from, the combine call, the combine input buffer and the collective reset."""
+combine takes, the views of the received rows, the weights pointer, fresh combine outputs, the
+host-mapped error words, the args every launch starts from, the combine call, the combine input
+buffer and the collective reset."""
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +12,7 @@ import torch.distributed as dist
 
 from . import knobs
 
-__all__ = ["HipRouting", "_weights_ptr", "CombineOutputs", "ErrorWords", "base_args", "make_combine",
+__all__ = ["HipRouting", "ReceiveViews", "receive_views", "_weights_ptr", "CombineOutputs", "ErrorWords", "base_args", "make_combine",
            "InputBuffer", "collective_reset"]
 
 
@@ -23,6 +24,29 @@ class HipRouting(NamedTuple):
     num_tokens: int
     recv_src: torch.Tensor
     total_recv: torch.Tensor
+
+
+class ReceiveViews(NamedTuple):
+    """The dispatch's outputs as views of the arena, made once: ``out`` ``[cap, hidden]`` (dispatch
+    dtype), ``weights`` ``[cap, k]`` float32, ``indices`` ``[cap, k]`` (index dtype), ``recv_src``
+    ``[cap]`` int32 (the reverse map) and ``total_recv`` ``[1]`` int32."""
+
+    out: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor
+    recv_src: torch.Tensor
+    total_recv: torch.Tensor
+
+
+def receive_views(arena, cfg, cap: int) -> ReceiveViews:
+    """The :class:`ReceiveViews` of ``arena`` for ``cfg`` and a receive capacity of ``cap`` rows
+    (the intranode and internode arenas name these regions alike)."""
+    hidden, k = cfg.hidden_dim, cfg.num_experts_per_token
+    return ReceiveViews(arena.view("disp_out", cfg.dispatch_dtype, (cap, hidden)),
+                        arena.view("out_wts", torch.float32, (cap, k)),
+                        arena.view("out_idx", cfg.index_dtype, (cap, k)),
+                        arena.view("recv_to_src", torch.int32, (cap,)),
+                        arena.view("total_recv", torch.int32, (1,)))
 
 
 def _weights_ptr(t: Optional[torch.Tensor], given: int) -> int:
