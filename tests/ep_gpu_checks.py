@@ -1,12 +1,18 @@
-"""Checks the GPU tests of the ``hip`` backend share: the identity expert, parity with the torch
-backend, a short combine input's reports, and a captured dispatch + combine replayed against the
-golden check."""
+"""Checks the GPU tests of the ``hip`` backend share: the dtype pairs they run, the identity
+expert, parity with the torch backend, a short combine input's reports, and a captured dispatch +
+combine replayed against the golden check."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from mori_jit.testing.cuda_graph import capture
+
+BF16, FP32 = torch.bfloat16, torch.float32
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+#: (dispatch dtype, combine dtype) of the golden checks: every payload, and asymmetric legs
+DTYPE_PAIRS = [(BF16, BF16), (FP32, FP32), (FP8, BF16), (FP4, BF16), (BF16, FP32)]
 
 
 def identity_expert(out: torch.Tensor, combine_dtype: torch.dtype) -> torch.Tensor:

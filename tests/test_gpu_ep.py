@@ -16,15 +16,12 @@ import torch
 from ep_gpu_checks import combine_short_and_expect_reports, dispatch_combine_step, replays_match_golden
 from ep_gpu_checks import identity_expert as _expert
 from ep_gpu_checks import parity_with_torch as _parity
+from ep_gpu_checks import BF16, DTYPE_PAIRS, FP32
 from mori_jit.testing.gpu_world import WORLD_SIZES, placement, run_ep_job
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
-BF16, FP32 = torch.bfloat16, torch.float32
-FP8 = getattr(torch, "float8_e4m3fn", None)
-FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
-DTYPE_PAIRS = [(BF16, BF16), (FP32, FP32), (FP8, BF16), (FP4, BF16), (BF16, FP32)]
 
 
 def _dev() -> torch.device:

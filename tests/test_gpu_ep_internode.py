@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 from ep_gpu_checks import combine_short_and_expect_reports, dispatch_combine_step, replays_match_golden
 from ep_gpu_checks import identity_expert as _expert
 from ep_gpu_checks import parity_with_torch as _parity
+from ep_gpu_checks import BF16, DTYPE_PAIRS
 from mori_jit.testing.gpu_world import WORLD_SIZES
 from mori_jit.testing.gpu_world_shmem import run_shmem_job
 
@@ -26,10 +28,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-BF16, FP32 = torch.bfloat16, torch.float32
-FP8 = getattr(torch, "float8_e4m3fn", None)
-FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
-DTYPE_PAIRS = [(BF16, BF16), (FP32, FP32), (FP8, BF16), (FP4, BF16), (BF16, FP32)]
 #: (world_size, gpu_per_node): every world size with two or more nodes
 LAYOUTS = [(ws, g) for ws, g in ((4, 2), (4, 1), (8, 4), (8, 2), (8, 1)) if ws in WORLD_SIZES]
 _POISONED = ("disp_out", "out_wts", "out_idx", "recv_to_src", "total_recv", "comb_recv", "comb_recv_wts", "recv_relay",
@@ -149,14 +147,8 @@ def _timeout_job(rank, ws, gpn, family):
     from mori_jit.ops.ep.golden import make_inputs
 
     gen = torch.Generator().manual_seed(5 + rank)
-    saved = os.environ.get("MORI_EP_TIMEOUT_S")
-    os.environ["MORI_EP_TIMEOUT_S"] = "2"  # (read when the op is built)
-    try:
+    with mock.patch.dict(os.environ, {"MORI_EP_TIMEOUT_S": "2"}):  # (read when the op is built)
         op = EpDispatchCombineOp(_cfg(rank, ws, gpn, 2048, 4, BF16, BF16, 32, internode_kernel=family), None)
-    finally:
-        os.environ.pop("MORI_EP_TIMEOUT_S")
-        if saved is not None:
-            os.environ["MORI_EP_TIMEOUT_S"] = saved
     with op:
         _round(op, rank, ws, gen, 32)
         torch.distributed.barrier()
