@@ -101,7 +101,7 @@ def replays_match_golden(op, rank: int, ws: int, step, static, gen, replays: int
     """Capture ``step`` (:func:`dispatch_combine_step` over the static bf16 inputs ``static``), then
     ``replays`` times: fresh random inputs copied in, the combine outputs poisoned, one replay, the
     golden check; ``op.check()`` at the end."""
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.testing.golden import golden_check, make_inputs
 
     sx, sw, sidx = static
     (m, hidden), k, cfg = sx.shape, sw.shape[1], op.cfg

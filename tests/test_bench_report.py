@@ -65,7 +65,7 @@ def test_gpu_scripts_import_and_refuse_cleanly_without_enough_gpus(capsys):
 
 
 def test_phase_times_are_medians_and_skip_stamps_never_written():
-    from mori_jit.ops.ep.kernel_cfg import EP_STAMP_WORDS, Stamp
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EP_STAMP_WORDS, Stamp
 
     bench = _bench_module()
     rows = []

@@ -13,7 +13,7 @@ from mori_jit.cli import main
 from mori_jit.jit.fields import ConfigError
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
 from mori_jit.ops.ep.config import INTERNODE_KERNELS
-from mori_jit.ops.ep.variants import config_from_strings, hip_gaps
+from mori_jit.ops.ep.backends.hip.variants import config_from_strings, hip_gaps
 from mori_jit.testing.distributed import run_distributed
 
 BASE = dict(hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=4, num_experts_per_token=2)
@@ -79,7 +79,7 @@ def test_precompile_refuses_internode_on_amd_in_one_line(fake_cc, capsys):
 def _internode_gate_job(rank, ws, hip_version):
     import torch
 
-    from mori_jit.ops.ep import arena
+    from mori_jit.ops.ep.memory import arena
 
     def no_allocation(*a, **k):
         raise AssertionError("the arena was allocated before the capability gate refused the config")

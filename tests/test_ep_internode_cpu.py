@@ -20,14 +20,14 @@ from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.nvshmem import NVSHMEM
 from mori_jit.jit.toolchain import make_toolchain
 from mori_jit.ops.ep import EpDispatchCombineConfig
-from mori_jit.ops.ep.backend_internode import NET_WAIT_MESSAGES, decode_net_error
-from mori_jit.ops.ep.internode_cfg import (EP_NET_ARGS, EP_NET_REGIONS, LEGS, EpNetCfg, ErrCode, NetWaitId,
+from mori_jit.ops.ep.backends.hip.internode.errors import NET_WAIT_MESSAGES, decode_net_error
+from mori_jit.ops.ep.backends.hip.internode.cfg import (EP_NET_ARGS, EP_NET_REGIONS, LEGS, EpNetCfg, ErrCode, NetWaitId,
                                            make_net_cfg, net_region_bytes)
-from mori_jit.ops.ep.internode_spec import NET_SPECS
-from mori_jit.ops.ep.kernel_cfg import EpDType
-from mori_jit.ops.ep.internode_tuning import DEFAULT_ROWS, NET_TABLE, check_rows, net_rows
-from mori_jit.ops.ep.internode_variants import bucket_families, internode_gaps, net_variants
-from mori_jit.ops.ep.variants import precompile_targets
+from mori_jit.ops.ep.backends.hip.internode.specs import NET_SPECS
+from mori_jit.ops.ep.backends.hip.intranode.cfg import EpDType
+from mori_jit.ops.ep.backends.hip.internode.tuning import DEFAULT_ROWS, NET_TABLE, check_rows, net_rows
+from mori_jit.ops.ep.backends.hip.internode.variants import bucket_families, internode_gaps, net_variants
+from mori_jit.ops.ep.backends.hip.variants import precompile_targets
 
 BASE = dict(hidden_dim=256, max_num_inp_token_per_rank=64, num_experts_per_rank=2, num_experts_per_token=4)
 
@@ -117,7 +117,7 @@ def test_the_share_of_the_sms_clamps_and_refuses_pins():
 
 
 def test_an_mps_thread_limit_is_already_the_share_of_the_sms(monkeypatch):
-    from mori_jit.ops.ep.grid_share import ranks_dividing_cus
+    from mori_jit.ops.ep.backends.hip.common.grid import ranks_dividing_cus
     from mori_jit.testing.gpu_world_shmem import MPS_THREAD_PERCENTAGE
     monkeypatch.delenv(MPS_THREAD_PERCENTAGE, raising=False)
     assert ranks_dividing_cus(8) == 8  # the device reports every SM: each of 8 ranks takes an eighth
@@ -227,7 +227,7 @@ def test_every_wait_has_a_message_and_a_timeout_names_wait_peer_and_rank():
 
 
 def test_internode_bodies_reach_the_engine_only_through_the_transport():
-    from mori_jit.ops.ep.internode_spec import FAMILY_BODIES
+    from mori_jit.ops.ep.backends.hip.internode.specs import FAMILY_BODIES
     bodies = ["ep/ep_net_common.hpp"] + [header for header, _ in FAMILY_BODIES.values()]
     code = ""
     for rel in bodies:
@@ -298,7 +298,7 @@ def _nvshmem_gap_job(rank, ws):
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    from mori_jit.ops.ep.nvshmem_memory import nvshmem_gap
+    from mori_jit.ops.ep.memory.nvshmem import nvshmem_gap
     sub = dist.new_group([1])  # (collective: every rank creates it)
     symm_mem.is_nvshmem_available = lambda: False  # this torch build, as a CUDA build without NVSHMEM
     assert "NVSHMEM is not available to torch" in nvshmem_gap(dist.group.WORLD)
@@ -317,7 +317,7 @@ def test_the_nvshmem_arena_needs_nvshmem_and_the_default_group():
 def test_the_backend_is_chosen_once_and_a_fixed_other_one_is_named(monkeypatch):
     from types import SimpleNamespace
 
-    from mori_jit.ops.ep import nvshmem_memory
+    from mori_jit.ops.ep.memory import nvshmem as nvshmem_memory
 
     calls = []
 
@@ -355,8 +355,8 @@ def test_the_receive_views_alias_their_regions_of_the_internode_arena():
     import torch
     from test_ep_layout_cpu import _RecordingProvider
 
-    from mori_jit.ops.ep.arena import SymmArena
-    from mori_jit.ops.ep.hip_host import receive_views
+    from mori_jit.ops.ep.memory.arena import SymmArena
+    from mori_jit.ops.ep.backends.hip.common.host import receive_views
 
     cfg = _cfg()
     var = net_variants(cfg, "sm_90a", 132)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mori_jit.ops.ep.arena import ALIGN, layout
-from mori_jit.ops.ep.backend_hip import decode_error
-from mori_jit.ops.ep.kernel_cfg import EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EP_STAMP_WORDS, EpCfg, EpDType, region_bytes
+from mori_jit.ops.ep.memory.arena import ALIGN, layout
+from mori_jit.ops.ep.backends.hip.intranode.errors import decode_error
+from mori_jit.ops.ep.backends.hip.intranode.cfg import EP_ARGS, EP_MAX_PEERS, EP_REGIONS, EP_STAMP_WORDS, EpCfg, EpDType, region_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,8 +61,8 @@ def test_every_arena_region_is_used_by_a_kernel():
 
 
 def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
-    from mori_jit.ops.ep.backend_hip import WAIT_MESSAGES
-    from mori_jit.ops.ep.kernel_cfg import ErrCode, Stamp, WaitId, XdbRow
+    from mori_jit.ops.ep.backends.hip.intranode.errors import WAIT_MESSAGES
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import ErrCode, Stamp, WaitId, XdbRow
 
     assert set(WAIT_MESSAGES) == set(WaitId)
     # the values are an ABI between kernels, host and recorded benchmark data
@@ -73,7 +73,7 @@ def test_every_wait_has_a_message_and_the_shared_codes_keep_their_values():
 
 
 def test_sync_words_leave_room_for_the_parity_pairs():
-    from mori_jit.ops.ep.kernel_cfg import EP_SYNC_WORDS, SYNC_PAIRS, SyncWord
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EP_SYNC_WORDS, SYNC_PAIRS, SyncWord
 
     # a claim counter is two words (word + epoch parity): its second word is no other word
     used = [int(w) for w in SyncWord] + [int(w) + 1 for w in SYNC_PAIRS]
@@ -116,7 +116,7 @@ def test_choosing_the_torch_backend_imports_no_jit_runtime():
         "    num_experts_per_rank=2, num_experts_per_token=2, kernel_backend='torch')\n"
         "with EpDispatchCombineOp(cfg) as op:\n"
         "    assert type(op).__name__ == 'EpDispatchCombineOpTorch'\n"
-        "bad = [m for m in ('mori_jit.ops.ep.backend_hip', 'mori_jit.jit.plan', 'mori_jit.jit.runtime')\n"
+        "bad = [m for m in ('mori_jit.ops.ep.backends.hip.backend', 'mori_jit.jit.plan', 'mori_jit.jit.runtime')\n"
         "       if m in sys.modules]\n"
         "print('IMPORTED', bad)\n"
         "dist.destroy_process_group()\n"
@@ -154,7 +154,7 @@ def test_an_abandoned_arena_keeps_its_memory_and_releases_nothing():
 
     import torch
 
-    from mori_jit.ops.ep.arena import SymmArena
+    from mori_jit.ops.ep.memory.arena import SymmArena
 
     provider = _RecordingProvider()
     arena = SymmArena.create({"a": 100, "b": 300}, None, torch.device("cpu"), provider)

@@ -8,10 +8,10 @@ import torch
 
 from mori_jit.jit.fields import ConfigError
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
-from mori_jit.ops.ep.golden import golden_check, make_inputs
-from mori_jit.ops.ep.golden_moe import golden_check_experts, golden_quantize
-from mori_jit.ops.ep.results import EpCapacityError
-from mori_jit.ops.ep.variants import config_from_strings, precompile_targets
+from mori_jit.testing.golden import golden_check, make_inputs
+from mori_jit.testing.golden_moe import golden_check_experts, golden_quantize
+from mori_jit.ops.ep import EpCapacityError
+from mori_jit.ops.ep.backends.hip.variants import config_from_strings, precompile_targets
 from mori_jit.testing.distributed import run_distributed
 
 FP8 = torch.float8_e4m3fn

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
-from mori_jit.ops.ep.golden import golden_check, make_inputs
-from mori_jit.ops.ep.golden_moe import golden_check_experts, golden_quantize
+from mori_jit.testing.golden import golden_check, make_inputs
+from mori_jit.testing.golden_moe import golden_check_experts, golden_quantize
 from mori_jit.ops.ep.results import EpDispatchResult
 from mori_jit.testing.distributed import run_distributed
 

@@ -13,8 +13,8 @@ from jit_helpers import toolchain_or_skip
 from mori_jit.jit.compile import build
 from mori_jit.jit.toolchain import make_toolchain
 from mori_jit.ops.ep import EpDispatchCombineConfig
-from mori_jit.ops.ep.kernel_cfg import EpCfg, region_bytes
-from mori_jit.ops.ep.variants import ep_variants, hip_gaps, plan_requests
+from mori_jit.ops.ep.backends.hip.intranode.cfg import EpCfg, region_bytes
+from mori_jit.ops.ep.backends.hip.variants import ep_variants, hip_gaps, plan_requests
 
 BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=16, num_experts_per_rank=4,
             num_experts_per_token=4)
@@ -90,13 +90,13 @@ def test_expert_counts_are_a_dispatch_cfg_field_with_parity_counters():
     none = region_bytes(plain.dispatch[0], plain.combine[0])
     assert (none["expert_adds"], none["expert_counts"]) == (0, 0)
     # a reset clears the parity counters with the other sync words (a failed dispatch may have added)
-    from mori_jit.ops.ep.backend_hip import _SYNC_REGIONS
+    from mori_jit.ops.ep.backends.hip.backend import _SYNC_REGIONS
     assert "expert_adds" in _SYNC_REGIONS and "expert_counts" not in _SYNC_REGIONS
 
 
 def test_expert_counts_refuse_more_experts_than_a_block_tallies():
     from mori_jit.jit.fields import ConfigError
-    from mori_jit.ops.ep.kernel_cfg import EP_MAX_COUNTED_EXPERTS
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EP_MAX_COUNTED_EXPERTS
 
     EpCfg(worldSize=8, numExpertPerRank=EP_MAX_COUNTED_EXPERTS // 8, expertCounts=True)
     with pytest.raises(ConfigError, match=f"expertCounts needs numExpertPerRank\\*worldSize <= {EP_MAX_COUNTED_EXPERTS}"):
@@ -105,7 +105,7 @@ def test_expert_counts_refuse_more_experts_than_a_block_tallies():
 
 
 def test_routing_replay_is_a_dispatch_cfg_field_with_a_trailing_flag_argument():
-    from mori_jit.ops.ep.kernel_cfg import EP_ARGS, EP_REGIONS
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EP_ARGS, EP_REGIONS
 
     plain, replay = _variants(_cfg()), _variants(_cfg(routing_replay=True))
     assert hip_gaps(_cfg(routing_replay=True), "sm_90a") == []
@@ -139,7 +139,7 @@ def test_in_kernel_fp8_cast_is_a_dispatch_cfg_field_never_on_the_bulk_path(size)
                                     dict(hiddenDim=192, scaleDim=1), dict(bulkMinTokens=8)])
 def test_an_ep_cfg_refuses_an_inconsistent_fp8_cast(fields):
     from mori_jit.jit.fields import ConfigError
-    from mori_jit.ops.ep.kernel_cfg import EpDType
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EpDType
 
     good = dict(hiddenDim=256, dtype=EpDType.Fp8, scaleDim=2, scaleTypeSize=4, quantFp8Block128=True)
     EpCfg(**good)
@@ -150,7 +150,7 @@ def test_an_ep_cfg_refuses_an_inconsistent_fp8_cast(fields):
 
 
 def test_the_expert_major_layout_adds_its_kernels_per_variant():
-    from mori_jit.ops.ep.specs import EP_LAYOUT
+    from mori_jit.ops.ep.backends.hip.intranode.specs import EP_LAYOUT
 
     cfg = _cfg(expert_counts=True, expert_capacity=24, scale_dim=2, scale_type_size=4)
     assert hip_gaps(cfg, "sm_90a") == []
@@ -169,8 +169,8 @@ def test_the_expert_major_layout_adds_its_kernels_per_variant():
     assert not any(none[k] for k in ("exp_cursor", "exp_x", "exp_scales", "exp_wts", "exp_maps"))
     assert all(spec.entry_name(c).endswith("_c24") for spec, c in laid.requests() if spec.kind in ("dispatch", "layout"))
     # combine_expert_major: a local sum on each combine EpCfg, then the same combine moving float32 rows
-    from mori_jit.ops.ep.kernel_cfg import EpDType
-    from mori_jit.ops.ep.specs import EP_COMBINE, EP_EXPERT_SUM
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EpDType
+    from mori_jit.ops.ep.backends.hip.intranode.specs import EP_COMBINE, EP_EXPERT_SUM
     assert [c for spec, c in laid.requests() if spec is EP_EXPERT_SUM] == list(dict.fromkeys(laid.combine))
     assert laid.expert_combine == tuple(dataclasses.replace(c, dtype=EpDType.Fp32) for c in laid.combine)
     assert {c for spec, c in laid.requests() if spec is EP_COMBINE} == {*laid.combine, *laid.expert_combine}

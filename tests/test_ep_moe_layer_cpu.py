@@ -1,4 +1,4 @@
-"""The worked MoE block (``mori_jit.ops.ep.moe``) on the torch backend (gloo, 2 and 4 ranks) against the
+"""The worked MoE block (``mori_jit.examples.moe_block``) on the torch backend (gloo, 2 and 4 ranks) against the
 same block run densely on one process, for bf16 rows, fp8 rows the op casts, and fp8 rows with the
 block's own UE8M0 scales; and its expert step, free of host syncs. (The jobs are device-generic:
 ``test_gpu_ep_moe.py`` runs them on NCCL, and on the ``hip`` backend.)"""
@@ -9,8 +9,8 @@ import torch
 
 from host_sync import forbid_host_sync
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-from mori_jit.ops.ep.golden_moe import golden_quantize
-from mori_jit.ops.ep.moe import MoeBlock, MoeExperts, route, run_experts
+from mori_jit.testing.golden_moe import golden_quantize
+from mori_jit.examples.moe_block import MoeBlock, MoeExperts, route, run_experts
 from mori_jit.ops.ep.results import EpExpertLayout
 from mori_jit.testing.distributed import run_distributed
 

@@ -15,16 +15,16 @@ from conftest import REPO
 
 from mori_jit.jit.fields import ConfigError
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpUnsupportedError
-from mori_jit.ops.ep import tuning
-from mori_jit.ops.ep.kernel_cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
-from mori_jit.ops.ep.variants import DEFAULT_NUM_CUS, ep_variants
+from mori_jit.ops.ep.backends.hip.intranode import tuning
+from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
+from mori_jit.ops.ep.backends.hip.variants import DEFAULT_NUM_CUS, ep_variants
 from mori_jit.testing.distributed import run_distributed
 
 FP8 = torch.float8_e4m3fn
 
 
 def _op_job(rank, ws):
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.testing.golden import golden_check, make_inputs
 
     gen = torch.Generator().manual_seed(31 + rank)
     cpu = torch.device("cpu")
@@ -260,7 +260,7 @@ def test_ranks_on_one_device_share_its_sms(ranks):
 
 
 def test_low_latency_is_the_ops_choice_and_reaches_the_combine_leg_only():
-    from mori_jit.ops.ep.specs import EP_COMBINE as COMBINE_SPEC
+    from mori_jit.ops.ep.backends.hip.intranode.specs import EP_COMBINE as COMBINE_SPEC
 
     base = dict(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128, num_experts_per_token=8)
     cut = tuning.LOW_LATENCY_MAX_TOKENS
@@ -288,7 +288,7 @@ def test_low_latency_is_the_ops_choice_and_reaches_the_combine_leg_only():
 
 
 def test_low_latency_ops_whose_tasks_fit_the_grid_take_every_sm_and_one_token_ranges():
-    from mori_jit.ops.ep.kernel_cfg import EpRangeTok
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EpRangeTok
 
     base = dict(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128, num_experts_per_token=8)
 
@@ -309,7 +309,7 @@ def test_low_latency_ops_whose_tasks_fit_the_grid_take_every_sm_and_one_token_ra
 
 
 def test_one_token_ranges_take_their_tuning_and_an_override_still_wins(monkeypatch):
-    from mori_jit.ops.ep.kernel_cfg import EpRangeTok
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EpRangeTok
 
     def unrolls(m, **kw):
         cfg = EpDispatchCombineConfig(rank=0, world_size=2, hidden_dim=7168, num_experts_per_rank=128,
@@ -329,8 +329,8 @@ def test_one_token_ranges_take_their_tuning_and_an_override_still_wins(monkeypat
 
 
 def test_dispatch_buckets_whose_blocks_own_many_tokens_take_the_bulk_copy_path(monkeypatch):
-    from mori_jit.ops.ep.kernel_cfg import EpBulkSmemBytes, EpBulkStages, EpTokenBytes
-    from mori_jit.ops.ep.specs import EP_DISPATCH
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EpBulkSmemBytes, EpBulkStages, EpTokenBytes
+    from mori_jit.ops.ep.backends.hip.intranode.specs import EP_DISPATCH
 
     least = tuning.BULK_DISPATCH_MIN_TOKENS
 
@@ -419,7 +419,7 @@ def test_shipped_tuning_tables_are_well_formed(arch):
 
 def test_overlapping_outputs_are_refused_by_name():
     """The one overlap rule behind combine's out= refusal: byte ranges, empty ones overlap nothing."""
-    from mori_jit.ops.ep.arguments import byte_span as _span, refuse_overlaps as _refuse_overlaps
+    from mori_jit.ops.ep.core.arguments import byte_span as _span, refuse_overlaps as _refuse_overlaps
 
     base = torch.empty(64, dtype=torch.uint8)
     region = ("the arena", _span(base[48:64]))
@@ -447,7 +447,7 @@ def test_overlapping_outputs_are_refused_by_name():
 def test_combine_outputs_are_fresh_contiguous_and_shaped():
     """combine()'s allocating path: empty_like of zero-stride templates must give new, contiguous
     [n, hidden] / [n, k] tensors (never a view of a template, never one shared between calls)."""
-    from mori_jit.ops.ep.backend_hip import CombineOutputs
+    from mori_jit.ops.ep.backends.hip.backend import CombineOutputs
 
     fresh = CombineOutputs(torch.bfloat16, 7168, 8, torch.device("cpu"))
     seen, held = set(), []  # held: live outputs, so no later call may reuse their memory
@@ -469,10 +469,10 @@ def test_combine_outputs_are_fresh_contiguous_and_shaped():
 
 def test_the_op_imports_no_backend_module():
     """The backend-neutral op (and the package) import neither a backend nor its tuning tables."""
-    code = ("import sys, mori_jit.ops.ep, mori_jit.ops.ep.op; "
+    code = ("import sys, mori_jit.ops.ep, mori_jit.ops.ep.core.op; "
             "print(sorted(m for m in sys.modules if m.startswith('mori_jit.ops.ep.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
     loaded = set(eval(out))
-    assert "mori_jit.ops.ep.schedule" in loaded
-    assert not loaded & {"mori_jit.ops.ep.tuning", "mori_jit.ops.ep.backend_hip", "mori_jit.ops.ep.backend_torch",
-                         "mori_jit.ops.ep.kernel_cfg"}, loaded
+    assert "mori_jit.ops.ep.core.schedule" in loaded
+    assert not loaded & {"mori_jit.ops.ep.backends.hip.intranode.tuning", "mori_jit.ops.ep.backends.hip.backend", "mori_jit.ops.ep.backends.torch.backend",
+                         "mori_jit.ops.ep.backends.hip.intranode.cfg"}, loaded

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpPeerError
-from mori_jit.ops.ep.golden import golden_check, make_inputs
+from mori_jit.testing.golden import golden_check, make_inputs
 from mori_jit.testing.distributed import run_distributed
 
 M, H, K = 8, 64, 2
@@ -45,7 +45,7 @@ def _job(rank, ws):
         # n > M on rank 0 only
         n = M + 3 if rank == 0 else M
         x, w, idx = make_inputs(rank, n, H, K, op.cfg.num_experts, torch.bfloat16, cpu, gen)
-        _expect_on(rank, 0, ValueError, r"dispatch: rank 0 refused its arguments \(ValueError: input: 11 tokens "
+        _expect_on(rank, 0, ValueError, r"dispatch: rank 0 refused its arguments \(EpArgumentError: input: 11 tokens "
                                          r"exceed max_num_inp_token_per_rank=8\); no rank ran this dispatch",
                    lambda: op.dispatch(x, w, None, idx))
         _valid_round(op, rank, ws, gen)
@@ -63,7 +63,7 @@ def _job(rank, ws):
         t = int(total.item())
         assert t > 0
         rows = t - 1 if rank == 1 else t
-        _expect_on(rank, 1, ValueError, r"combine: rank 1 refused its arguments \(ValueError: input: \d+ rows, "
+        _expect_on(rank, 1, ValueError, r"combine: rank 1 refused its arguments \(EpArgumentError: input: \d+ rows, "
                                          r"but dispatch received \d+",
                    lambda: op.combine(out[:rows], weights=out_w[:rows], routing=routing))
 

@@ -11,7 +11,7 @@ import torch
 from mori_jit.testing.distributed import run_distributed
 
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-from mori_jit.ops.ep.peers import RankCard, config_mismatch, memory_kind, ranks_sharing_device
+from mori_jit.ops.ep.memory.peers import RankCard, config_mismatch, memory_kind, ranks_sharing_device
 
 BASE = dict(world_size=4, hidden_dim=64, max_num_inp_token_per_rank=8, num_experts_per_rank=2, num_experts_per_token=2)
 
@@ -83,7 +83,7 @@ def test_ranks_out_of_step_raise_on_every_rank(field, values):
 def test_weights_with_no_rows_are_still_weights_given():
     """torch reports data_ptr() == 0 for any empty tensor, which the kernels read as 'no weights':
     a rank that received no rows would then neither send nor sum its tokens' weights."""
-    from mori_jit.ops.ep.backend_hip import _weights_ptr
+    from mori_jit.ops.ep.backends.hip.backend import _weights_ptr
 
     w = torch.rand(6, 4)
     assert w[:0].data_ptr() == 0  # the premise
@@ -93,7 +93,7 @@ def test_weights_with_no_rows_are_still_weights_given():
 
 
 def test_ipc_blocks_must_share_a_host_and_a_size():
-    from mori_jit.ops.ep.symm_memory import check_peer_blocks, make_provider
+    from mori_jit.ops.ep.memory.symm import check_peer_blocks, make_provider
 
     check_peer_blocks([("h", 4096), ("h", 4096)])
     with pytest.raises(RuntimeError, match=r"needs every rank on one host; the group spans 2 \(rank 0: a; rank 1: b\)"):
@@ -106,7 +106,7 @@ def test_ipc_blocks_must_share_a_host_and_a_size():
 
 
 def test_arena_layout_is_one_declaration_aligned_in_order():
-    from mori_jit.ops.ep.arena import ALIGN, layout
+    from mori_jit.ops.ep.memory.arena import ALIGN, layout
 
     offsets, total = layout({"a": 1, "b": 256, "c": 0, "d": 300})
     assert offsets == {"a": 0, "b": 256, "c": 512, "d": 512} and total == 512 + 512 and ALIGN == 256

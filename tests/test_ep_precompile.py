@@ -14,7 +14,7 @@ from mori_jit.jit.compile import build, resolve
 from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import make_toolchain
 from mori_jit.ops.ep import EpDispatchCombineConfig
-from mori_jit.ops.ep.variants import config_from_strings, plan_requests
+from mori_jit.ops.ep.backends.hip.variants import config_from_strings, plan_requests
 
 FP8 = torch.float8_e4m3fn
 FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
@@ -94,7 +94,7 @@ def test_real_compilers_build_combine_at_edge_geometries(arch, compiler):
     both protocols (range flags, low latency), and low latency with one-token ranges."""
     import dataclasses
 
-    from mori_jit.ops.ep.kernel_cfg import EpRangeTok
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import EpRangeTok
 
     tc = toolchain_or_skip(arch)
     built = set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mori_jit.ops.ep.golden_moe import golden_quantize
+from mori_jit.testing.golden_moe import golden_quantize
 from mori_jit.ops.ep.quant import QUANT_TYPES, dequantize, quantize, scale_values
 
 SPEC = QUANT_TYPES["fp8_e4m3_block128"]

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from mori_jit.ops.ep.golden import golden_check, make_inputs
-from mori_jit.ops.ep.reference import reference_combine, reference_dispatch
+from mori_jit.testing.golden import golden_check, make_inputs
+from mori_jit.ops.ep.backends.torch.reference import reference_combine, reference_dispatch
 from mori_jit.testing.distributed import run_distributed
 
 M = 48          # max tokens per rank

@@ -9,7 +9,7 @@ import torch
 from mori_jit.examples.axpy_spec import AxpyCfg, AxpyDType
 from mori_jit.jit.fields import (CEnum, ConfigError, apply_request, cfg_fields, coerce_field, cpp_struct,
                                  describe, render_cfg, request_schema)
-from mori_jit.ops.ep.kernel_cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
+from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EpCfg, EpDType, make_ep_cfg
 
 
 # -- render: only non-default fields, in declaration order ----------------------------------------

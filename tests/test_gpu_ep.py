@@ -50,7 +50,7 @@ def _poison(op):
 
 
 def _round(op, cfg, rank, ws, gen, n, *, drop=0.0, all_to=None, check_parity_with=None):
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.testing.golden import golden_check, make_inputs
 
     dev = _dev()
     x, w, idx = make_inputs(rank, n, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts,
@@ -123,8 +123,8 @@ def _bulk_job(rank, ws):
     waves; every dispatch dtype; and a block whose tokens take two routing rounds."""
     from mori_jit.jit.toolchain import detect_arch, has_bulk_copy
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.tuning import BULK_DISPATCH_MIN_TOKENS as least
-    from mori_jit.ops.ep.variants import ep_variants
+    from mori_jit.ops.ep.backends.hip.intranode.tuning import BULK_DISPATCH_MIN_TOKENS as least
+    from mori_jit.ops.ep.backends.hip.variants import ep_variants
 
     gen = torch.Generator().manual_seed(555 + rank)
     bulk = has_bulk_copy(detect_arch()) and ws > 1  # (one rank copies only into its own memory: no bulk path)
@@ -162,7 +162,7 @@ def _rounds_job(rank, ws):
 
 def _graph_job(rank, ws):
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import make_inputs
+    from mori_jit.testing.golden import make_inputs
 
     gen = torch.Generator().manual_seed(7 + rank)
     dev = _dev()
@@ -189,7 +189,7 @@ def _combine_inputs_job(rank, ws):
     weights, token counts from 0 to m (one range to hundreds per rank), and two combines of one
     dispatch back to back (the second's pushes must not land while a peer still sums the first)."""
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.testing.golden import golden_check, make_inputs
 
     gen = torch.Generator().manual_seed(31 + rank)
     dev = _dev()
@@ -256,7 +256,7 @@ def _queued_rounds_job(rank, ws):
     poisoned output and checked at the end: y == U * x and y_w == U * w, U the number of distinct
     ranks a token went to (the identity expert), rounded once to the combine dtype."""
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import make_inputs
+    from mori_jit.testing.golden import make_inputs
 
     gen = torch.Generator().manual_seed(71 + rank)
     dev = _dev()
@@ -294,7 +294,7 @@ def _empty_receiver_job(rank, ws):
     experts), so that rank passes weights with no rows. Its own token's weights come back from its
     peers all the same: y_w == U * w (golden check), rounds with changing token counts between."""
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.testing.golden import golden_check, make_inputs
 
     gen = torch.Generator().manual_seed(4242 + rank)
     dev = _dev()
@@ -345,7 +345,7 @@ def _timeout_job(rank, ws):
             _round(op, op.cfg, rank, ws, gen, 32)
             # rank 1 may still be reading its outputs; they stay valid only until any rank's next dispatch
             torch.distributed.barrier()
-            from mori_jit.ops.ep.golden import make_inputs
+            from mori_jit.testing.golden import make_inputs
             x, w, idx = make_inputs(rank, 32, 2048, 4, op.cfg.num_experts, BF16, _dev(), gen)
             if rank == 0:
                 op.dispatch(x, w, None, idx)  # rank 1 never dispatches: rank 0's wait must give up

@@ -60,7 +60,7 @@ def _poison(op):
 
 
 def _round(op, rank, ws, gen, n, *, drop=0.0, all_to=None, ref=None):
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.testing.golden import golden_check, make_inputs
 
     cfg = op.cfg
     x, w, idx = make_inputs(rank, n, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts,
@@ -122,7 +122,7 @@ def _rounds_job(rank, ws, gpn, family):
         for _ in range(3):
             _round(op, rank, ws, gen, 64)
             torch.distributed.barrier()
-            from mori_jit.ops.ep.golden import make_inputs
+            from mori_jit.testing.golden import make_inputs
             x, w, idx = make_inputs(rank, 64, 2048, 8, op.cfg.num_experts, BF16, _dev(), gen)
             op.dispatch(x, w, None, idx)
             torch.cuda.synchronize()
@@ -132,7 +132,7 @@ def _rounds_job(rank, ws, gpn, family):
 
 def _graph_job(rank, ws, gpn, family):
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import make_inputs
+    from mori_jit.testing.golden import make_inputs
 
     gen = torch.Generator().manual_seed(7 + rank)
     hidden, k, m = 2048, 8, 96
@@ -144,7 +144,7 @@ def _graph_job(rank, ws, gpn, family):
 
 def _timeout_job(rank, ws, gpn, family):
     from mori_jit.ops.ep import EpDeviceError, EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import make_inputs
+    from mori_jit.testing.golden import make_inputs
 
     gen = torch.Generator().manual_seed(5 + rank)
     with mock.patch.dict(os.environ, {"MORI_EP_TIMEOUT_S": "2"}):  # (read when the op is built)
@@ -180,7 +180,7 @@ def _short_input_job(rank, ws, gpn, family):
     """Rank 0 combines fewer rows than it received: reported there, and on every rank whose tokens
     lost rows by it (never a silent wrong sum); reset() recovers."""
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import make_inputs
+    from mori_jit.testing.golden import make_inputs
 
     gen = torch.Generator().manual_seed(31 + rank)
     m, hidden, k = 40, 2048, 8

@@ -127,8 +127,8 @@ def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
     """One dispatch (+ replay, + combine) on both backends: golden checks and parity."""
     from test_ep_moe_cpu import H, _check_expert_major_combine, _received, _scales, _values
 
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
-    from mori_jit.ops.ep.golden_moe import golden_check_experts
+    from mori_jit.testing.golden import golden_check, make_inputs
+    from mori_jit.testing.golden_moe import golden_check_experts
 
     assert H == HIP_H  # (_check_expert_major_combine's hidden size)
     cfg, dev = op.cfg, _hip_dev()
@@ -190,7 +190,7 @@ def _hip_replay_refusals(op, rank, gen):
     """Every rank passes the same bad replay, so each raises before launching (no peer waits)."""
     from test_ep_moe_cpu import _scales
 
-    from mori_jit.ops.ep.golden import make_inputs
+    from mori_jit.testing.golden import make_inputs
 
     cfg, dev = op.cfg, _hip_dev()
     x, w, idx = make_inputs(rank, 8, HIP_H, HIP_K, cfg.num_experts, cfg.input_dtype, dev, gen,
@@ -210,8 +210,8 @@ def _hip_capacity_overflow(rank, ws, gen):
     rank 0's check() raises EpCapacityError naming the expert and the count; the others do not; the
     counts stay whole and the layout holds the first entries; after reset() the op works again."""
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import make_inputs
-    from mori_jit.ops.ep.results import EpCapacityError
+    from mori_jit.testing.golden import make_inputs
+    from mori_jit.ops.ep import EpCapacityError
 
     n, cap = 6, 4
     with EpDispatchCombineOp(_hip_cfg(rank, ws, "hip", dict(expert_counts=True, expert_capacity=cap))) as op:
@@ -270,8 +270,8 @@ def _hip_graph_job(rank, ws):
     from test_ep_moe_cpu import _scales
 
     from mori_jit.ops.ep import EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
-    from mori_jit.ops.ep.golden_moe import golden_check_experts
+    from mori_jit.testing.golden import golden_check, make_inputs
+    from mori_jit.testing.golden_moe import golden_check_experts
 
     gen = torch.Generator().manual_seed(808 + rank)
     dev = _hip_dev()

@@ -20,8 +20,8 @@ from mori_jit.jit import cache
 from mori_jit.jit.fields import ConfigError, render_cfg
 from mori_jit.jit.toolchain import make_toolchain
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-from mori_jit.ops.ep.kernel_cfg import EpCfg
-from mori_jit.ops.ep.variants import ep_variants
+from mori_jit.ops.ep.backends.hip.intranode.cfg import EpCfg
+from mori_jit.ops.ep.backends.hip.variants import ep_variants
 
 ARCH = ["--arch", "sm_90a"]
 

@@ -29,7 +29,7 @@ from mori_jit.jit.fields import cfg_fields
 from mori_jit.jit.registry import all_specs, get_spec
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import _signature, make_toolchain
-from mori_jit.ops.ep.kernel_cfg import EpCfg
+from mori_jit.ops.ep.backends.hip.intranode.cfg import EpCfg
 
 ARCHS = ["sm_90a", "gfx90a"]
 
@@ -62,7 +62,7 @@ def test_every_cfg_field_changes_the_key(fake_cc, spec_name, cfg_type):
     if cfg_type is AxpyCfg:
         bases.append(AxpyCfg(vecElems=4))  # dtype can only flip where both dtypes are valid
     if cfg_type is EpCfg:  # the scale fields, the fp8 cast and the layout change only beside others
-        from mori_jit.ops.ep.kernel_cfg import EpDType
+        from mori_jit.ops.ep.backends.hip.intranode.cfg import EpDType
         bases.append(dataclasses.replace(bases[0], dtype=EpDType.Fp8, scaleDim=bases[0].hiddenDim // 128,
                                          scaleTypeSize=4, expertCounts=True))
     keys_seen = {resolve(spec, bases[0], tc, fresh_include_hash=True).key}

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mori_jit.ops.ep.kernel_cfg import EP_STAMP_WORDS, Stamp
+from mori_jit.ops.ep.backends.hip.intranode.cfg import EP_STAMP_WORDS, Stamp
 from mori_jit.testing.distributed import run_distributed
 
 FP8 = torch.float8_e4m3fn
@@ -223,7 +223,7 @@ def phase_times(rows: list[list[int]]) -> dict:
 
 def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-    from mori_jit.ops.ep.golden import golden_check
+    from mori_jit.testing.golden import golden_check
 
     disp_t, comb_t = LEGS[leg]
     dev = torch.device("cuda", rank)

@@ -86,7 +86,7 @@ def _graph_us(fn, iters):
 
 def _check_received(res, x, quantized):
     """Rows received at world size 1 are the input rows (each token once), cast as the golden cast does."""
-    from mori_jit.ops.ep.golden_moe import golden_quantize
+    from mori_jit.testing.golden_moe import golden_quantize
 
     total = int(res.total_recv.item())
     assert total == x.shape[0], f"total_recv {total} != {x.shape[0]}"

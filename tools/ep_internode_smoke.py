@@ -27,7 +27,7 @@ def _host_us(rank, op, m, reps):
     import statistics
     import time
 
-    from mori_jit.ops.ep.golden import make_inputs
+    from mori_jit.testing.golden import make_inputs
 
     cfg = op.cfg
     x, w, idx = make_inputs(rank, m, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts, torch.bfloat16,

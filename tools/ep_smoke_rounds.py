@@ -16,7 +16,7 @@ def log(rank: int, msg: str) -> None:
 def smoke_rounds(op, rounds: int, device: torch.device) -> None:
     """``rounds`` dispatch + combine rounds on ``op`` (bf16 tokens), each checked against the golden
     model; raises on a device error or a mismatch."""
-    from mori_jit.ops.ep.golden import golden_check, make_inputs
+    from mori_jit.testing.golden import golden_check, make_inputs
 
     cfg = op.cfg
     rank, ws, m, hidden, k = (cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.hidden_dim,

@@ -45,9 +45,9 @@ def _timer(reps: int):
 
 def _job(rank, ws, n, reps):
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
-    from mori_jit.ops.ep.arguments import expect_tensor
-    from mori_jit.ops.ep.backend_hip import CombineOutputs
-    from mori_jit.ops.ep.kernel_cfg import COMBINE
+    from mori_jit.ops.ep.core.arguments import expect_tensor
+    from mori_jit.ops.ep.backends.hip.backend import CombineOutputs
+    from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE
 
     dev = torch.device("cuda", 0)
     hidden, k = 7168, 8

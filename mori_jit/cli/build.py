@@ -60,11 +60,11 @@ def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> l
     Without ``ep_request``: what each registered spec's :meth:`~mori_jit.jit.spec.Spec.precompile_cfgs`
     names. With it (``--ep KEY=VALUE ...``: EpDispatchCombineConfig fields plus ``num_cus``): exactly
     the EP variants a live ``hip`` op with that config compiles — the same tuning tables and Cfg
-    construction (:func:`mori_jit.ops.ep.variants.plan_requests`). Duplicates are removed by the caller.
+    construction (:func:`mori_jit.ops.ep.backends.hip.variants.plan_requests`). Duplicates are removed by the caller.
     """
     from ..jit.registry import all_specs
     if ep_request:  # exactly the variants a live op with that config compiles
-        from ..ops.ep.variants import precompile_targets as ep_targets
+        from ..ops.ep.backends.hip.variants import precompile_targets as ep_targets
         return ep_targets(ep_request, toolchain.arch)
     return [(spec, cfg) for spec in all_specs() for cfg in spec.precompile_cfgs(toolchain)]
 

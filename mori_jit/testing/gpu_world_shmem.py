@@ -16,7 +16,7 @@ import torch
 
 from mori_jit.ops.ep.knobs import EpKnobs
 
-from .gpu_world import placement, run_ep_job
+from mori_jit.testing.gpu_world import placement, run_ep_job
 
 __all__ = ["MPS_THREAD_PERCENTAGE", "mps_thread_percentage", "run_shmem_job"]
 

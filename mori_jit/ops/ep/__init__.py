@@ -1,17 +1,49 @@
-"""Expert-parallel dispatch/combine (docs/design.md §6).
+"""Expert-parallel dispatch/combine: mori's ``dispatch_combine_v2`` op on the mori-jit kernels.
+
+Map (each folder's ``__init__`` says more)::
+
+    ops/ep/                 what a user touches, and what every layer below shares
+      config, config_rules    EpDispatchCombineConfig, its fields' allowed values and rules
+      errors                  EpError and every error the op raises
+      results, quant          dispatch's named outputs; the in-op fp8 quantization
+      knobs, contract         the op's settings (MORI_EP_*); facts the kernels and checks share
+    core/                   the backend-independent op: lifecycle, argument checks, the
+                            ranks' agreement on each call, KernelSet (what a backend hands it),
+                            Schedule (which geometry a call launches)
+    memory/                 the symmetric arena and where its memory comes from: torch
+                            symmetric memory, CUDA/HIP IPC, NVSHMEM; what ranks learn of each other
+    backends/torch/         the reference backend on torch.distributed collectives
+    backends/hip/           the JIT kernels (AMD via hipcc, NVIDIA via nvcc)
+      common/                 what both kernel families share (payload arithmetic, constants,
+                              SM budget, host-side views, error words)
+      intranode/              one node, over the arena: cfg, args, specs, tuning, errors
+      internode/              across nodes, on NVSHMEM: cfg, specs, tuning, variants, kernels
+      backend, variants, gaps the op's hip backend; the variant walk it and ``mori-jit
+                              precompile`` share; what the kernels cannot serve
+
+Import rule (one direction, checked by ``tests/test_layout.py``): a module imports only from its
+own folder, from folders below it in this list, or from the top files of ``ops/ep``::
+
+    backends/hip/{backend,variants,gaps}  →  backends/hip/{intranode,internode}  →  backends/hip/common
+    backends/*  →  core  →  memory  →  ops/ep top files  →  mori_jit.jit
+
+``core`` names its backends by module path only (``core/op.py``'s ``_BACKENDS``), never by import.
+Golden checks live in :mod:`mori_jit.testing`, the worked MoE block in :mod:`mori_jit.examples`.
 
 Importing this package imports neither torch nor a backend: the spec registry walks it to find
-``specs.py``, and the CLI verbs that only render or key a kernel must start without torch. The public
-names below load their modules (and torch) on first use.
+the kernel specs, and the CLI verbs that only render or key a kernel must start without torch. The
+public names below load their modules (and torch) on first use.
 """
 from __future__ import annotations
 
 import importlib
 
 #: Each public name and the module that defines it.
-_MODULE_OF = {"EpDispatchCombineConfig": ".config", "EpDispatchCombineOp": ".op", "EpDeviceError": ".kernel_set",
-              "EpUnsupportedError": ".kernel_set", "EpPeerError": ".arguments", "KernelSet": ".kernel_set",
-              "EpDispatchResult": ".results", "EpExpertLayout": ".results", "EpCapacityError": ".results"}
+_MODULE_OF = {"EpDispatchCombineConfig": ".config", "EpDispatchCombineOp": ".core.op",
+              "EpDispatchResult": ".results", "EpExpertLayout": ".results",
+              **{name: ".errors" for name in ("EpError", "EpConfigError", "ConfigError", "EpArgumentError",
+                                              "EpArgumentTypeError", "EpUnsupportedError", "EpStateError",
+                                              "EpMemoryError", "EpPeerError", "EpDeviceError", "EpCapacityError")}}
 
 __all__ = list(_MODULE_OF)
 

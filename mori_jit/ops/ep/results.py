@@ -16,17 +16,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["EpDispatchResult", "EpExpertLayout", "EpCapacityError"]
-
-
-class EpCapacityError(RuntimeError):
-    """More (token, expert) pairs reached a local expert than ``cfg.expert_capacity`` rows hold.
-
-    Never a silent truncation: the ``torch`` backend raises it from the ``dispatch`` itself, on the
-    rank whose expert overflowed, after the exchange (so no peer is left inside a collective); a
-    backend that does not sync the host (``hip``) raises it from ``check()`` or the op's next call
-    on that rank, until ``op.reset()`` (collective).
-    """
+__all__ = ["EpDispatchResult", "EpExpertLayout"]
 
 
 class EpExpertLayout(NamedTuple):

@@ -1,0 +1,61 @@
+"""What the intranode (``kernel_cfg``) and internode (``internode_cfg``) kernel configs declare
+alike: the payload arithmetic, how validity rules combine and report, and the fields every args
+struct starts with. Each config names its own derived values (``Ep*``, ``Net*``) from these."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mori_jit.jit.args import i32, i64, ptr
+from mori_jit.jit.expr import C, where
+from mori_jit.jit.fields import cfg_fields
+
+from mori_jit.ops.ep.backends.hip.common.consts import EpDType
+
+__all__ = ["DISPATCH", "COMBINE", "LAYOUT", "EXPERT_SUM", "ELEM_TYPES", "ELEM_BYTES", "MAX_RECV", "SUMMABLE", "all_of", "rule_problems", "leg_io_args"]
+
+#: The legs of the op, each a kernel.
+DISPATCH, COMBINE = "dispatch", "combine"
+#: The expert-major layout kernel (launched after a dispatch, on the dispatch's EpCfg) and the
+#: expert-major combine's local sum (launched before a float32 combine, on the combine's EpCfg).
+LAYOUT, EXPERT_SUM = "layout", "expert_sum"
+
+#: Device element type of each dtype tag (expanded at render time; the Cfg header has only the tag).
+ELEM_TYPES = {EpDType.Bf16: "mori::bf16_t", EpDType.Fp32: "float", EpDType.Fp8: "mori::fp8_t",
+              EpDType.Fp4x2: "mori::fp4x2_t"}
+#: Bytes per payload element of a config's ``dtype``.
+ELEM_BYTES = where(C.dtype.eq(EpDType.Fp32), 4, where(C.dtype.eq(EpDType.Bf16), 2, 1))
+#: Receive capacity in rows: ``maxRecv``, or every rank's every token when it is 0.
+MAX_RECV = where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv)
+#: The dtype can be reduced (a combine's): bf16 and fp32.
+SUMMABLE = C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32)
+
+
+def all_of(rules: Sequence[tuple[Any, str]]):
+    """The conjunction of the rules' expressions (a config's ``*IsValid``, emitted to C++ too)."""
+    out = rules[0][0]
+    for expr, _ in rules[1:]:
+        out = out & expr
+    return out
+
+
+def rule_problems(cfg, rules: Sequence[tuple[Any, str]]) -> list[str]:
+    """The message of every rule ``cfg`` violates, each with the config's values."""
+    vals = ", ".join(f"{f.name}={getattr(cfg, f.name)!s}" for f in cfg_fields(cfg))
+    return [f"{msg} ({vals})" for expr, msg in rules if not expr.eval(cfg)]
+
+
+def leg_io_args(indices_doc: str, rank_doc: str) -> list:
+    """The fields every EP args struct starts with: a leg's inputs and outputs, the host-mapped
+    error words, the call's counts, this rank and the spin-wait bound."""
+    return [
+        ptr("inpTok", "const void", "dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]"),
+        ptr("inpWeights", "const float", "dispatch: weights [n, k]; combine: weights [>=recv, k] or null"),
+        ptr("inpIndices", "const int32_t", indices_doc),
+        ptr("outTok", "void", "combine: y [n, H]"),
+        ptr("outWeights", "float", "combine: y_w [n, k] or null"),
+        ptr("errWord", "uint64_t", "host-mapped error words [4]: code, detail, extra (0 = ok)"),
+        i32("numTokens", doc="n of the dispatch call"),
+        i32("inpRows", doc="combine: rows of the expert output (guards a short input)"),
+        i32("rank", doc=rank_doc),
+        i64("timeoutNs", doc="spin-wait bound in ns"),
+    ]

@@ -1,0 +1,92 @@
+"""The ``hip`` backend's internode kernel set: the ``v2_ll`` and ``v2`` kernels on an NVSHMEM arena.
+
+Each leg of each bucket is one kernel (its family's phases of that leg), bound to one args struct
+per leg that each call rewrites: one driver launch per call, no compile, no host sync, so a
+whole step can be captured in a CUDA graph.
+Device errors (timed-out waits, a short combine input) land in host-mapped words that the next
+call reads without syncing. Outputs and the routing are the intranode op's (same contract).
+"""
+from __future__ import annotations
+
+import torch
+
+from mori_jit.jit.compile import build_many
+from mori_jit.jit.plan import prepare
+
+from mori_jit.ops.ep.memory.arena import SymmArena
+from mori_jit.ops.ep.config import EpDispatchCombineConfig
+from mori_jit.ops.ep.backends.hip.internode.errors import NET_WAIT_MESSAGES, decode_net_error
+from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset, make_combine, receive_views
+from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_ARGS, EP_NET_REGIONS, NetMaxRecv, net_region_bytes
+from mori_jit.ops.ep.backends.hip.internode.specs import net_spec
+from mori_jit.ops.ep.backends.hip.internode.variants import NetVariants
+from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
+from mori_jit.ops.ep.core.op import KernelSet
+from mori_jit.ops.ep.errors import EpDeviceError
+
+__all__ = ["build_net_kernels", "net_regions", "decode_net_error", "NET_WAIT_MESSAGES", "NET_SYNC_REGIONS"]
+
+#: Counters, signals, epoch tags and error claims: zeroed by reset().
+NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "comb_short", "sync", "relay_meta", "relay_out_cnt")
+
+
+def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVariants, toolchain,
+                      device: torch.device, group) -> KernelSet:
+    """Compile and load both legs of every bucket of ``var`` and return the op's KernelSet."""
+    requests = var.requests()
+    build_many(requests, toolchain)  # misses compile in parallel; loading stays on this thread
+    plans = {(spec.name, c): prepare(spec, c, toolchain, device) for spec, c in requests}
+
+    err = ErrorWords()
+    err_words = err.words
+    base = base_args(EP_NET_ARGS, cfg.rank, err, arena.offsets, EP_NET_REGIONS)
+    base.base = arena.tensor.data_ptr()
+    dargs, cargs = EP_NET_ARGS.ctype.from_buffer_copy(base), EP_NET_ARGS.ctype.from_buffer_copy(base)
+
+    def bound(family, leg, c, args):  # one kernel per (bucket, leg), launched with its leg's struct
+        return plans[(net_spec(family, leg).name, c)].bind_struct(args)
+
+    disp_launches = [bound(f, DISPATCH, d, dargs) for f, d in zip(var.families, var.dispatch)]
+    comb_launches = [bound(f, COMBINE, c, cargs) for f, c in zip(var.families, var.combine)]
+
+    cap, hidden, k = NetMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
+    out, out_w, out_idx, recv_src, total_recv = receive_views(arena, cfg, cap)  # (ids: int32, no MoE options)
+    given = arena.tensor.data_ptr()  # (see hip_host._weights_ptr)
+
+    def dispatch(v, x, weights, scales, indices):
+        dargs.inpTok = x.data_ptr()
+        dargs.inpWeights = _weights_ptr(weights, given)
+        dargs.inpIndices = indices.data_ptr()
+        dargs.numTokens = x.shape[0]
+        disp_launches[v]()
+        return (out, out_w if weights is not None else None, None, out_idx, total_recv,
+                HipRouting(x.shape[0], recv_src, total_recv))
+
+    new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, device)
+
+    combine = make_combine(cargs, comb_launches, new_outputs, given)
+    inp_buffer = InputBuffer(cap, hidden, cfg.combine_dtype, device)  # (plain memory: the combine stages what it puts)
+
+    def check():
+        if err_words[0]:
+            raise EpDeviceError(decode_net_error(list(err_words)) + "; call op.reset() (collective)")
+
+    def clear():
+        arena.zero(*NET_SYNC_REGIONS)
+        err.tensor.zero_()
+
+    def close():
+        torch.cuda.synchronize(device)
+        err.release()
+        inp_buffer.release()
+
+    return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
+                     capabilities=frozenset({"graph", "zero_copy_combine", "internode"}),
+                     check=check, reset=lambda: collective_reset(device, group, clear),
+                     combine_input_buffer=inp_buffer.get, close=close,
+                     bound_launches={DISPATCH: tuple(disp_launches), COMBINE: tuple(comb_launches)})
+
+
+def net_regions(var: NetVariants) -> dict[str, int]:
+    """Region sizes of the internode arena for ``var`` (every bucket shares one shape)."""
+    return net_region_bytes(var.dispatch[0], var.combine[0], var.families)

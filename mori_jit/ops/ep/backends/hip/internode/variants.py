@@ -1,0 +1,150 @@
+"""Every internode kernel an op launches: the walk the live op and ``mori-jit precompile`` share.
+
+From a config, an arch and the rank's share of the SMs: the token-count buckets (the tuning
+table's edges, plus ``internode_auto_ll_max_tokens`` under ``auto``), each bucket's family
+(``v2_ll`` or ``v2``) and the EpNetCfg of each leg (one kernel each). ``auto`` switches family by the
+launch's token count: a bucket of at most ``internode_auto_ll_max_tokens`` tokens takes ``v2_ll``,
+a larger one ``v2``; buckets no call can reach (above ``max_num_inp_token_per_rank``) are left out,
+so an op whose every call is small builds only ``v2_ll``. Every rank of one call must fall on the
+same side of the threshold (the families speak different protocols; ranks that differ time out):
+an op's calls switch together, e.g. between prefill and decode.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from mori_jit.jit.fields import ConfigError
+from mori_jit.jit.toolchain import vendor_of
+
+from mori_jit.ops.ep.config import EpDispatchCombineConfig
+from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_MAX_RANKS, EpNetCfg, make_net_cfg
+from mori_jit.ops.ep.backends.hip.internode.tuning import net_rows
+from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
+from mori_jit.ops.ep.backends.hip.common.consts import EpDType
+from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus, check_pin, grid_budget
+from mori_jit.ops.ep.core.schedule import Schedule
+from mori_jit.ops.ep.errors import EpConfigError
+
+__all__ = ["NetVariants", "net_variants", "internode_gaps", "bucket_families", "BUILT_FAMILIES"]
+
+#: The internode families whose kernels exist (see internode_spec.FAMILY_BODIES).
+BUILT_FAMILIES = ("v2_ll", "v2")
+
+
+@dataclasses.dataclass(frozen=True)
+class NetVariants:
+    """The schedule and, per bucket, its family and the EpNetCfg of each leg."""
+
+    schedule: Schedule
+    families: tuple[str, ...]
+    dispatch: tuple[EpNetCfg, ...]  # per bucket
+    combine: tuple[EpNetCfg, ...]  # per bucket
+
+    def requests(self) -> list[tuple]:
+        """The distinct ``(spec, EpNetCfg)`` pairs to prepare, in launch order."""
+        from mori_jit.ops.ep.backends.hip.internode.specs import net_spec
+        out: dict = {}
+        for fam, disp, comb in zip(self.families, self.dispatch, self.combine):
+            out.setdefault((net_spec(fam, DISPATCH), disp), None)
+            out.setdefault((net_spec(fam, COMBINE), comb), None)
+        return list(out)
+
+
+def _edges(cfg: EpDispatchCombineConfig, row_edges: list[Optional[int]]) -> list[Optional[int]]:
+    m = cfg.max_num_inp_token_per_rank
+    cut = {e for e in row_edges if e is not None and e < m}
+    if cfg.internode_kernel == "auto" and cfg.internode_auto_ll_max_tokens < m:
+        cut.add(cfg.internode_auto_ll_max_tokens)
+    return sorted(cut) + [None]
+
+
+def bucket_families(cfg: EpDispatchCombineConfig, edges: list[Optional[int]]) -> tuple[str, ...]:
+    """The family of each bucket (``edges``: inclusive maxima, the last None): the named one, or
+    under ``auto`` ``v2_ll`` for buckets of at most ``internode_auto_ll_max_tokens`` tokens."""
+    if cfg.internode_kernel != "auto":
+        return tuple(cfg.internode_kernel for _ in edges)
+    top = [e if e is not None else cfg.max_num_inp_token_per_rank for e in edges]
+    return tuple("v2_ll" if t <= cfg.internode_auto_ll_max_tokens else "v2" for t in top)
+
+
+def internode_gaps(cfg: EpDispatchCombineConfig, arch: Optional[str] = None) -> list[str]:
+    """What the internode kernels cannot do for ``cfg`` on ``arch`` (None: this torch build's GPUs);
+    AMD is refused naming the missing engine."""
+    where = f"internode (gpu_per_node={cfg.gpu_per_node} < world_size={cfg.world_size})"
+    if arch is not None:
+        amd = vendor_of(arch) == "amd"
+    else:
+        import torch
+        amd = bool(getattr(torch.version, "hip", None))
+    if amd:
+        return [f"{where} on {arch or 'AMD GPUs'}: internode kernels run on a device-side SHMEM engine, and "
+                f"AMD's (rocSHMEM, mori-shmem) is not available to mori-jit; NVSHMEM is NVIDIA-only"]
+    missing = []
+    if cfg.world_size % cfg.gpu_per_node:
+        missing.append(f"{where}: world_size must be a multiple of gpu_per_node (every node holds as many ranks)")
+    if cfg.gpu_per_node > 32:
+        missing.append(f"{where}: gpu_per_node={cfg.gpu_per_node} > 32 (a node's ranks are a 32-bit mask)")
+    if cfg.world_size > EP_NET_MAX_RANKS:
+        missing.append(f"{where}: world_size={cfg.world_size} > {EP_NET_MAX_RANKS}")
+    if cfg.symm_memory != "auto":
+        missing.append(f"{where} with symm_memory={cfg.symm_memory!r}: the internode arena is NVSHMEM symmetric "
+                       f"memory; leave symm_memory='auto'")
+    m = cfg.max_num_inp_token_per_rank
+    needed = set(bucket_families(cfg, _edges(cfg, [])))
+    for fam in sorted(needed - set(BUILT_FAMILIES)):
+        if cfg.internode_kernel == "auto":
+            missing.append(f"{where}: internode_kernel='auto' with max_num_inp_token_per_rank={m} > "
+                           f"internode_auto_ll_max_tokens={cfg.internode_auto_ll_max_tokens} needs the {fam!r} family "
+                           f"for its larger calls, which is not built yet; use internode_kernel='v2_ll', or "
+                           f"max_num_inp_token_per_rank <= internode_auto_ll_max_tokens")
+        else:
+            missing.append(f"{where}: internode_kernel={fam!r} is not built yet (built: {', '.join(BUILT_FAMILIES)})")
+    return missing
+
+
+def _rows(cfg: EpDispatchCombineConfig, arch: str, budget: int, check_pin) -> tuple:
+    if cfg.schedule is not None:
+        for b in cfg.schedule:
+            check_pin(f"schedule bucket {tuple(b)!r} dispatch blocks", b[1])
+            check_pin(f"schedule bucket {tuple(b)!r} combine blocks", b[3])
+        return tuple((b[0], b[1], 0, b[2], b[3], 0, b[4]) for b in cfg.schedule)
+    for field in ("dispatch_block_num", "combine_block_num"):
+        if getattr(cfg, field) is not None:
+            check_pin(field, getattr(cfg, field))
+    rows = net_rows(arch, cfg.world_size, cfg.hidden_dim, cfg.num_experts_per_token,
+                    EpDType.coerce(cfg.dispatch_dtype).name.lower(), budget)
+    pin = lambda v, p: p if p is not None else v  # noqa: E731
+    return tuple((e, pin(db, cfg.dispatch_block_num), dr, pin(dw, cfg.warp_num_per_block), pin(cb, cfg.combine_block_num),
+                  cr, pin(cw, cfg.combine_warp_num_per_block)) for e, db, dr, dw, cb, cr, cw in rows)
+
+
+def net_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per_device: int = 1) -> NetVariants:
+    """Every EpNetCfg the internode op for ``cfg`` on ``arch`` launches, by bucket, on a device of
+    ``num_cus`` SMs that ``ranks_per_device`` ranks share. A geometry pin beyond the rank's share,
+    or a family that is not built, raises ConfigError."""
+
+    check_num_cus(num_cus)
+    if ranks_per_device < 1:
+        raise EpConfigError(f"ranks_per_device={ranks_per_device}: expected >= 1")
+    gaps = internode_gaps(cfg, arch)
+    if gaps:
+        raise EpConfigError("; ".join(gaps))
+    budget = grid_budget(num_cus, ranks_per_device)
+    rows = _rows(cfg, arch, budget, lambda what, b: check_pin(what, b, budget, num_cus, ranks_per_device))
+    edges = _edges(cfg, [r[0] for r in rows])
+    families = bucket_families(cfg, edges)
+    common = {"worldSize": cfg.world_size, "gpuPerNode": cfg.gpu_per_node, "hiddenDim": cfg.hidden_dim,
+              "maxTokPerRank": cfg.max_num_inp_token_per_rank, "numExpertPerRank": cfg.num_experts_per_rank,
+              "numExpertPerToken": cfg.num_experts_per_token, "maxRecv": cfg.max_total_recv_tokens}
+    disp_dtype, comb_dtype = EpDType.coerce(cfg.dispatch_dtype), EpDType.coerce(cfg.combine_dtype)
+    disp, comb, sched_d, sched_c = [], [], [], []
+    for edge, fam in zip(edges, families):
+        top = edge if edge is not None else cfg.max_num_inp_token_per_rank
+        row = next(r for r in rows if r[0] is None or r[0] >= top)
+        _, db, _, dw, cb, _, cw = row
+        disp.append(make_net_cfg(DISPATCH, arch, {**common, "dtype": disp_dtype, "blockNum": db, "warpPerBlock": dw}))
+        comb.append(make_net_cfg(COMBINE, arch, {**common, "dtype": comb_dtype, "blockNum": cb, "warpPerBlock": cw}))
+        sched_d.append((db, dw))
+        sched_c.append((cb, cw))
+    return NetVariants(Schedule(tuple(edges), tuple(sched_d), tuple(sched_c)), families, tuple(disp), tuple(comb))

@@ -1,0 +1,263 @@
+"""The EP kernel variants a live ``hip`` op builds — shared by the op and by ``mori-jit precompile``.
+
+Walking the same schedule and the same :func:`~mori_jit.ops.ep.backends.hip.intranode.cfg.make_ep_cfg` as the live op is
+what makes precompile produce exactly the binaries the op will ask for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Optional
+
+import torch
+
+from mori_jit.jit.fields import ConfigError
+from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
+
+from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg, region_bytes
+from mori_jit.ops.ep.config import EpDispatchCombineConfig
+from mori_jit.ops.ep.backends.hip.gaps import hip_gaps
+from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus, check_pin, grid_budget
+from mori_jit.ops.ep.core.schedule import Schedule
+from mori_jit.ops.ep.backends.hip.intranode.tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
+from mori_jit.ops.ep.errors import EpConfigError
+
+__all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
+           "config_from_strings", "precompile_targets", "hip_gaps", "dispatch_moe_fields"]
+
+#: CU/SM counts used when no device is present (precompile); the live op reads the device.
+DEFAULT_NUM_CUS = {"sm_90": 132, "sm_90a": 132, "sm_100a": 148, "sm_80": 108, "gfx90a": 104, "gfx940": 228,
+                   "gfx942": 304, "gfx950": 256}
+
+
+def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
+    """The dispatch EpCfg fields of ``cfg``'s MoE options. Each is off by default, and a Cfg renders
+    only its non-default fields, so an op without them renders, keys and builds as before."""
+    return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size,
+            "expertCounts": cfg.expert_counts, "routingReplay": cfg.routing_replay,
+            "quantFp8Block128": cfg.quant_type == "fp8_e4m3_block128", "expertCapacity": cfg.expert_capacity}
+
+
+def ep_dtype(torch_dtype) -> EpDType:
+    """The EpDType tag of a torch dtype (uint8 carries fp4x2 pairs)."""
+    return EpDType.coerce(torch_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpVariants:
+    """The schedule and, per bucket, the dispatch and combine EpCfg it launches."""
+
+    schedule: Schedule
+    dispatch: tuple[EpCfg, ...]
+    combine: tuple[EpCfg, ...]
+    #: per bucket, the combine of ``combine_expert_major`` (the expert layout only): the combine's
+    #: EpCfg moving float32 rows (the local sums), so the result is rounded once
+    expert_combine: tuple[EpCfg, ...] = ()
+
+    def all_cfgs(self) -> list[tuple[str, EpCfg]]:
+        """Distinct (kind, cfg) pairs — the set of binaries to compile (a dispatch with the
+        expert-major layout brings its layout kernel, and the combine its local sum)."""
+        out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine]
+                            + [(LAYOUT, c) for c in self.dispatch if c.expertCapacity]
+                            + [(EXPERT_SUM, c) for c in self.combine if self.expert_combine]
+                            + [(COMBINE, c) for c in self.expert_combine])
+        return list(out)
+
+    def region_bytes(self) -> dict[str, int]:
+        """The arena's region sizes for these kernels (the expert-major combine moves float32 rows,
+        so its combine, where there is one, sizes the combine's receive side)."""
+        return region_bytes(self.dispatch[0], (self.expert_combine or self.combine)[0])
+
+    def requests(self) -> list[tuple]:
+        """The ``(spec, EpCfg)`` pairs to prepare: :meth:`all_cfgs` with each kind's spec."""
+        from mori_jit.ops.ep.backends.hip.intranode.specs import EP_COMBINE, EP_DISPATCH, EP_EXPERT_SUM, EP_LAYOUT
+        spec = {DISPATCH: EP_DISPATCH, COMBINE: EP_COMBINE, LAYOUT: EP_LAYOUT, EXPERT_SUM: EP_EXPERT_SUM}
+        return [(spec[kind], c) for kind, c in self.all_cfgs()]
+
+
+def _one_token_ranges(cfg: EpDispatchCombineConfig, blocks: int, arch: str) -> bool:
+    """Whether a low-latency combine of ``cfg`` on ``blocks`` blocks holds each peer-token task in
+    its grid, so that the kernel takes one-token ranges (``EpRangeTok``): each block pushes at most
+    one row per peer and sums at most one token. An op that can have them gets every SM in each
+    combine bucket (tuning: ``tuning.ONE_TOKEN_COMBINE``), and its blocks then load fewer
+    vectors per lane."""
+    probe = EpCfg(worldSize=cfg.world_size, maxTokPerRank=cfg.max_num_inp_token_per_rank, blockNum=blocks,
+                  waveSize=wave_size_for_arch(arch), lowLatency=True)
+    return EpRangeTok(probe) == 1
+
+
+def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
+    """Whether dispatch ``c`` (a bucket of at most ``max_tokens`` tokens) asks for the bulk-copy
+    path (tuning: ``tuning.BULK_DISPATCH_MIN_TOKENS``): rows go to peers (one rank copies only
+    into its own memory, where the path measured slower), the arch has the unit, a block can own
+    that many tokens, and ``c`` stays valid with it (its stages fit in shared memory). A request: a
+    ``MORI_V2_EP_*`` override wins."""
+    probe = types.SimpleNamespace(**{**vars(c), "bulkMinTokens": BULK_DISPATCH_MIN_TOKENS})  # (EpCfg would raise)
+    return (c.worldSize > 1 and has_bulk_copy(arch) and -(-max_tokens // c.blockNum) >= BULK_DISPATCH_MIN_TOKENS
+            and EpIsValid(probe))
+
+
+def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool,
+              ranks_per_device: int = 1) -> Schedule:
+    budget = grid_budget(num_cus, ranks_per_device)
+    check = lambda what, blocks: check_pin(what, blocks, budget, num_cus, ranks_per_device)  # noqa: E731
+    if cfg.schedule is not None:
+        for b in cfg.schedule:
+            check(f"schedule bucket {tuple(b)!r} dispatch blocks", b[1])
+            check(f"schedule bucket {tuple(b)!r} combine blocks", b[3])
+        disp = [(b[0], b[1], b[2]) for b in cfg.schedule]
+        comb = [(b[0], b[3], b[4]) for b in cfg.schedule]
+        return schedule_from_buckets(disp, comb, budget)
+    for field in ("dispatch_block_num", "combine_block_num"):
+        if getattr(cfg, field) is not None:
+            check(field, getattr(cfg, field))
+    base = lookup(ep_dtype(cfg.dispatch_dtype).name.lower(), cfg.world_size, cfg.hidden_dim,
+                  cfg.num_experts_per_token, cfg.num_experts_per_rank, budget,
+                  max_warps=EP_MAX_BLOCK_THREADS // wave_size_for_arch(arch))
+    comb_blocks = cfg.combine_block_num
+    if comb_blocks is None and low_latency and _one_token_ranges(cfg, budget, arch):
+        comb_blocks = budget  # every SM of the share
+    pin = lambda geo, blocks, warps: (blocks or geo[0], warps or geo[1])  # noqa: E731
+    return Schedule(base.edges,
+                    tuple(pin(g, cfg.dispatch_block_num, cfg.warp_num_per_block) for g in base.dispatch),
+                    tuple(pin(g, comb_blocks, cfg.combine_warp_num_per_block) for g in base.combine))
+
+
+def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per_device: int = 1) -> EpVariants:
+    """Every EpCfg the op for ``cfg`` on ``arch`` launches, by bucket, on a device of ``num_cus``
+    CUs/SMs that ``ranks_per_device`` ranks of the group share (each sizes its grids to its share).
+    A geometry pin beyond the share raises ConfigError."""
+    check_num_cus(num_cus)
+    if ranks_per_device < 1:
+        raise EpConfigError(f"ranks_per_device={ranks_per_device}: expected >= 1")
+    low = combine_low_latency(cfg, arch)
+    sched = _schedule(cfg, num_cus, arch, low, ranks_per_device)
+    budget = grid_budget(num_cus, ranks_per_device)
+    common = {"worldSize": cfg.world_size, "hiddenDim": cfg.hidden_dim, "maxTokPerRank": cfg.max_num_inp_token_per_rank,
+              "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
+              "maxRecv": cfg.max_total_recv_tokens}
+
+    def leg(kind, dtype, geos, **extra):
+        return tuple(make_ep_cfg(kind, arch, {**common, "dtype": ep_dtype(dtype), "blockNum": b, "warpPerBlock": w,
+                                              **extra})
+                     for b, w in geos)
+
+    def combine(geo):  # one-token ranges take their tuning, as requests (a MORI_V2_EP_* override wins)
+        c = leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low)[0]
+        return c if EpRangeTok(c) == 2 else leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low, **ONE_TOKEN_COMBINE)[0]
+
+    moe = dispatch_moe_fields(cfg)
+
+    def dispatch(edge, geo):  # a bucket whose blocks can own enough tokens takes the bulk path, as a request
+        c = leg(DISPATCH, cfg.dispatch_dtype, [geo], **moe)[0]
+        return leg(DISPATCH, cfg.dispatch_dtype, [geo], bulkMinTokens=BULK_DISPATCH_MIN_TOKENS, **moe)[0] \
+            if _bulk_dispatch(c, arch, min(edge or cfg.max_num_inp_token_per_rank, cfg.max_num_inp_token_per_rank)) else c
+
+    comb = tuple(combine(geo) for geo in sched.combine)
+    for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
+        check_pin("combine blockNum", c.blockNum, budget, num_cus, ranks_per_device, "; check MORI_V2_EP_*BLOCK_NUM")
+        if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
+            raise EpConfigError(f"combine lowLatency={c.lowLatency} from MORI_V2_EP_*LOW_LATENCY: set "
+                              f"EpDispatchCombineConfig.combine_low_latency instead")
+    expert = tuple(dataclasses.replace(c, dtype=EpDType.Fp32) for c in comb) if cfg.expert_capacity else ()
+    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb, expert)
+
+
+def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
+    """Whether the op's combine on ``arch`` is low latency: ``combine_low_latency``, else by the op's
+    size (``max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS``) on NVIDIA, where it was measured;
+    on AMD only when asked (unmeasured there, and each 16-byte push is four 32-bit atomic stores).
+    Never on one rank (no peer rows)."""
+    if cfg.world_size == 1:
+        return False
+    if cfg.combine_low_latency is not None:
+        return cfg.combine_low_latency
+    return vendor_of(arch) == "nvidia" and cfg.max_num_inp_token_per_rank <= LOW_LATENCY_MAX_TOKENS
+
+
+def plan_requests(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per_device: int = 1) -> list[tuple]:
+    """The ``(spec, EpCfg)`` pairs a live ``hip`` op prepares, in order, without duplicates."""
+    return ep_variants(cfg, arch, num_cus, ranks_per_device).requests()
+
+
+def _dtype_from_string(value: str):
+    import torch
+    tag = EpDType.coerce(value)  # bf16 / fp8 / torch names, any case
+    return {EpDType.Bf16: torch.bfloat16, EpDType.Fp32: torch.float32, EpDType.Fp8: torch.float8_e4m3fn,
+            EpDType.Fp4x2: getattr(torch, "float4_e2m1fn_x2", torch.uint8)}[tag]
+
+
+#: a string field's annotation, as text (postponed annotations) or as the type
+_STR_TYPES = ("str", "Optional[str]", str, Optional[str])
+#: the config's on/off fields, and the words that set them on the command line
+_FLAG_FIELDS = ("combine_low_latency", "expert_counts", "routing_replay")
+_FLAGS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
+
+
+def _index_dtype_from_string(value: str):
+    from mori_jit.ops.ep.config_rules import INDEX_DTYPES
+    names = {str(t).removeprefix("torch."): t for t in INDEX_DTYPES}
+    if value.removeprefix("torch.") not in names:
+        raise EpConfigError(f"expected one of {', '.join(names)}")
+    return names[value.removeprefix("torch.")]
+
+
+def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfig, int | None]:
+    """An op config from ``KEY=VALUE`` strings (``mori-jit precompile --ep``), and ``num_cus`` if given.
+
+    Keys are :class:`EpDispatchCombineConfig` fields (``rank`` defaults to 0) plus ``num_cus``;
+    dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names, ``index_dtype``
+    ``int32``/``int64``, and the on/off fields (``combine_low_latency``, ``expert_counts``,
+    ``routing_replay``) ``on``/``off`` (or true/false, 1/0).
+    """
+    fields = {f.name: f for f in dataclasses.fields(EpDispatchCombineConfig)}
+    kwargs: dict = {"rank": 0}
+    num_cus = None
+    for key, raw in request.items():
+        try:
+            if key == "num_cus":
+                num_cus = int(raw, 0)
+                check_num_cus(num_cus)
+            elif key not in fields:
+                raise EpConfigError(f"unknown EP config field {key!r}; valid: num_cus, {', '.join(fields)}")
+            elif key.endswith("data_type"):
+                kwargs[key] = _dtype_from_string(raw)
+            elif key == "index_dtype":
+                kwargs[key] = _index_dtype_from_string(raw)
+            elif fields[key].type in _STR_TYPES:
+                kwargs[key] = raw
+            elif key in _FLAG_FIELDS:
+                if raw.lower() not in _FLAGS:
+                    raise EpConfigError(f"expected one of {', '.join(_FLAGS)}")
+                kwargs[key] = _FLAGS[raw.lower()]
+            elif key == "schedule":
+                raise EpConfigError("schedule cannot be given on the command line")
+            else:
+                kwargs[key] = int(raw, 0)
+        except ValueError as e:
+            raise EpConfigError(f"--ep {key}={raw!r}: {e}") from None
+    try:
+        return EpDispatchCombineConfig(**kwargs), num_cus
+    except TypeError as e:
+        raise EpConfigError(f"--ep: {e}") from None
+    except ValueError as e:
+        raise EpConfigError(str(e)) from None
+
+
+def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
+    """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op (an
+    internode op's: :func:`.internode_variants.net_variants`). A config the live op refuses
+    (:func:`hip_gaps`) is refused here too."""
+    cfg, num_cus = config_from_strings(request)
+    gaps = hip_gaps(cfg, arch)
+    if gaps:
+        raise EpConfigError(f"--ep: the hip op does not support: {'; '.join(gaps)}")
+    if num_cus is None:
+        num_cus = DEFAULT_NUM_CUS.get(arch)
+        if num_cus is None:
+            raise EpConfigError(f"no default CU/SM count for {arch}; pass --ep num_cus=N "
+                              f"(known: {', '.join(sorted(DEFAULT_NUM_CUS))})")
+    if cfg.is_internode:
+        from mori_jit.ops.ep.backends.hip.internode.variants import net_variants
+        return net_variants(cfg, arch, num_cus).requests()
+    return plan_requests(cfg, arch, num_cus)

@@ -1,0 +1,2 @@
+"""The ``torch`` backend: the reference algorithm (``reference``, ``reference_moe``) on
+torch.distributed collectives, the parity oracle of the ``hip`` backend (``backend``)."""

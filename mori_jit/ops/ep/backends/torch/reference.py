@@ -1,0 +1,273 @@
+"""Reference EP dispatch/combine on ``torch.distributed`` collectives (docs/design.md §6).
+
+This is the algorithm of the ``torch`` backend: it runs on any process group (NCCL/RCCL on GPUs,
+gloo on CPU) and serves as the parity oracle for the JIT kernels. It is written for clarity, not
+speed: it syncs the host (token counts become Python ints) and allocates freely.
+
+Semantics, exactly as the op's contract:
+
+* ``indices[t, j]`` is an expert id ``e``; its destination rank is ``e // num_experts_per_rank``.
+  An id ``< 0`` or ``>= num_experts_per_rank * world_size`` drops that slot.
+* A token is sent **once** to each distinct destination rank, carrying its whole row ``x[t]``,
+  its full ``weights[t, :]`` and ``indices[t, :]`` (and ``scales[t]`` when given).
+* Send order is grouped by destination rank ascending, tokens ascending within a group; received
+  rows therefore come grouped by source rank ascending, tokens ascending within a source.
+* Combine sends every received row back to its source and sums the returned rows of each token in
+  float32 (an *unweighted* sum; the expert side applies the top-k weights).
+
+Every payload travels as raw bytes (``uint8``), packed into one row per sent token, so that dtypes
+a backend cannot reduce or even transport (bf16 and fp8 on gloo) move bit-exactly and each leg
+costs one counts exchange plus one payload exchange.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from mori_jit.ops.ep.errors import EpArgumentError, EpDeviceError
+
+__all__ = ["TorchRouting", "reference_dispatch", "reference_combine"]
+
+
+@dataclass
+class TorchRouting:
+    """Everything :func:`reference_combine` needs to undo one :func:`reference_dispatch` call."""
+
+    recv_src: torch.Tensor
+    """int32 ``[recv_rows]``: flat source id ``srcRank * M + srcTok`` of each received row, in
+    receive order (source rank ascending, source token ascending within a source)."""
+
+    send_counts: list[int]
+    """Rows this rank sent to each peer rank (index = destination rank)."""
+
+    recv_counts: list[int]
+    """Rows this rank received from each peer rank (index = source rank)."""
+
+    send_tok: torch.Tensor
+    """int64 ``[sum(send_counts)]``: local token index of each sent row, grouped by destination
+    rank ascending (tokens ascending within a group). Combine's returned rows arrive in this order."""
+
+    num_tokens: int
+    """``n``, the number of local tokens of the dispatch call (rows of combine's output)."""
+
+    @property
+    def total_recv(self) -> int:
+        """Number of rows received by dispatch (valid rows of the dispatch output)."""
+        return sum(self.recv_counts)
+
+
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """View a 2-D tensor ``[rows, C]`` as its raw bytes ``[rows, C * element_size]`` (uint8)."""
+    rows, cols = t.shape
+    if t.numel() == 0:  # empty tensors may carry stride 0, which a dtype view rejects
+        return torch.empty((rows, cols * t.element_size()), dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8).reshape(rows, cols * t.element_size())
+
+
+def _from_row_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """Inverse of :func:`_row_bytes`: reinterpret ``[rows, cols * elsize]`` bytes as ``dtype``."""
+    # .contiguous() because b is usually a column slice of a packed buffer, and a dtype view
+    # needs a dense last dimension and aligned row strides.
+    if b.numel() == 0:
+        return torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
+    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+
+
+def _pack_rows(fields: list[torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
+    """Concatenate byte fields ``[n, w_i]`` column-wise, taking only ``rows`` (all if None)."""
+    n = fields[0].shape[0] if rows is None else rows.numel()
+    width = sum(f.shape[1] for f in fields)
+    out = torch.empty(n, width, dtype=torch.uint8, device=fields[0].device)
+    off = 0
+    for f in fields:
+        w = f.shape[1]
+        out[:, off : off + w] = f if rows is None else f.index_select(0, rows)
+        off += w
+    return out
+
+
+def _destination_mask(indices: torch.Tensor, world_size: int, num_experts_per_rank: int) -> torch.Tensor:
+    """bool ``[n, world_size]``: ``mask[t, r]`` is True iff some valid slot of token t lives on rank r."""
+    n = indices.shape[0]
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < num_experts_per_rank * world_size)
+    # Invalid slots are routed to a spare column that is cut off afterwards.
+    dest = torch.where(valid, idx // num_experts_per_rank, torch.full_like(idx, world_size))
+    mask = torch.zeros(n, world_size + 1, dtype=torch.bool, device=indices.device)
+    mask.scatter_(1, dest, True)
+    return mask[:, :world_size]
+
+
+def _exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all of one int64 count per peer: returns how many rows each peer will send us."""
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    return recv_counts
+
+
+def reference_dispatch(
+    group,
+    rank: int,
+    world_size: int,
+    max_tokens_per_rank: int,
+    num_experts_per_rank: int,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    scales: torch.Tensor | None,
+    indices: torch.Tensor,
+    recv_capacity: int,
+):
+    """Send each token to every distinct rank that holds one of its experts.
+
+    Collective: every rank of ``group`` must call it, with the same ``H``, ``k``, dtypes and the
+    same choice of ``scales`` being None or not (they fix the packed row layout).
+
+    Args:
+        group: process group (None = default group); ``rank``/``world_size`` are group-relative.
+        max_tokens_per_rank: ``M``; ``n`` must be ``<= M`` (flat source ids are ``rank * M + t``).
+        x: ``[n, H]`` tokens, any dtype (bf16, f32, fp8, uint8, ...); moved bit-exactly.
+        weights: ``[n, k]`` float32 top-k weights (forwarded unchanged).
+        scales: ``[n, S]`` per-token scales of any dtype, or None.
+        indices: ``[n, k]`` integer expert ids; int32 and int64 travel as they are, other integer
+            dtypes as int32.
+        recv_capacity: rows of the output buffers.
+
+    Returns:
+        ``(out [cap, H] x.dtype, out_weights [cap, k] f32, out_scales [cap, S] | None,
+        out_indices [cap, k] int32 | int64 (as indices), total_recv int32 [1] on x.device, routing)``. Only rows
+        ``[0, total_recv)`` are valid; the rest are uninitialised.
+
+    Raises:
+        ValueError: malformed inputs (checked before any collective, so every rank raises alike).
+        RuntimeError: this rank received more rows than ``recv_capacity``. The payload exchange
+            has already completed on every rank, so peers are not left hanging in a collective.
+    """
+    if x.dim() != 2 or indices.dim() != 2 or weights.dim() != 2:
+        raise EpArgumentError("x, weights and indices must be 2-D")
+    n, hidden = x.shape
+    k = indices.shape[1]
+    if indices.shape[0] != n or tuple(weights.shape) != (n, k):
+        raise EpArgumentError(f"shape mismatch: x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
+                         f"indices {tuple(indices.shape)}")
+    if n > max_tokens_per_rank:
+        raise EpArgumentError(f"n = {n} tokens exceeds max_tokens_per_rank = {max_tokens_per_rank}")
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool:
+        raise EpArgumentError(f"indices must be an integer tensor, got {indices.dtype}")
+    if scales is not None and (scales.dim() != 2 or scales.shape[0] != n):
+        raise EpArgumentError(f"scales must be [n, S] with n = {n}, got {tuple(scales.shape)}")
+    device = x.device
+
+    # --- routing: which (destination, token) pairs to send, in send order ------------------------
+    mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
+    # nonzero() on the transposed mask yields (dest, tok) in row-major order: grouped by
+    # destination ascending, tokens ascending inside a group -- exactly the send order.
+    send_tok = mask.t().nonzero()[:, 1].contiguous()
+    send_counts_t = mask.sum(dim=0, dtype=torch.int64)
+    recv_counts_t = _exchange_counts(send_counts_t, group)
+    send_counts = [int(c) for c in send_counts_t.tolist()]
+    recv_counts = [int(c) for c in recv_counts_t.tolist()]
+    total = sum(recv_counts)
+
+    # --- payload: one packed byte row per sent token ---------------------------------------------
+    src_id = (rank * max_tokens_per_rank
+              + torch.arange(n, device=device, dtype=torch.int64)).to(torch.int32).unsqueeze(1)
+    # int64 ids travel whole: an out-of-range id cast to int32 could wrap into a valid one
+    id_dtype = indices.dtype if indices.dtype in (torch.int32, torch.int64) else torch.int32
+    fields = [
+        _row_bytes(src_id),
+        _row_bytes(indices.to(device=device, dtype=id_dtype)),
+        _row_bytes(weights.to(device=device, dtype=torch.float32)),
+        _row_bytes(x),
+    ]
+    if scales is not None:
+        fields.append(_row_bytes(scales.to(device)))
+    widths = [f.shape[1] for f in fields]
+    send = _pack_rows(fields, send_tok)
+    recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+
+    if total > recv_capacity:
+        raise EpDeviceError(
+            f"EP dispatch on rank {rank}: received {total} rows but recv_capacity is {recv_capacity}")
+
+    # --- unpack into capacity-sized outputs ------------------------------------------------------
+    ends = list(itertools.accumulate(widths))
+    part = [recv[:, e - w : e] for w, e in zip(widths, ends)]
+
+    recv_src = _from_row_bytes(part[0], torch.int32, 1).reshape(total)
+    out_indices = torch.empty(recv_capacity, k, dtype=id_dtype, device=device)
+    out_indices[:total] = _from_row_bytes(part[1], id_dtype, k)
+    out_weights = torch.empty(recv_capacity, k, dtype=torch.float32, device=device)
+    out_weights[:total] = _from_row_bytes(part[2], torch.float32, k)
+    out = torch.empty(recv_capacity, hidden, dtype=x.dtype, device=device)
+    out[:total] = _from_row_bytes(part[3], x.dtype, hidden)
+    out_scales = None
+    if scales is not None:
+        out_scales = torch.empty(recv_capacity, scales.shape[1], dtype=scales.dtype, device=device)
+        out_scales[:total] = _from_row_bytes(part[4], scales.dtype, scales.shape[1])
+
+    total_recv = torch.tensor([total], dtype=torch.int32, device=device)
+    routing = TorchRouting(recv_src=recv_src, send_counts=send_counts, recv_counts=recv_counts,
+                           send_tok=send_tok, num_tokens=n)
+    return out, out_weights, out_scales, out_indices, total_recv, routing
+
+
+def reference_combine(
+    group,
+    routing: TorchRouting,
+    expert_out: torch.Tensor,
+    weights: torch.Tensor | None,
+    out_dtype: torch.dtype,
+):
+    """Return each received row to its source and sum the rows of every token in float32.
+
+    Collective: every rank must call it with the same ``H``, dtype and choice of ``weights``
+    being None or not.
+
+    Args:
+        routing: from the matching :func:`reference_dispatch` call.
+        expert_out: ``[>= total_recv, H]``; row i is the expert output of dispatch row i. Only
+            rows ``[0, total_recv)`` are read.
+        weights: ``[>= total_recv, k]`` weights to sum alongside (converted to float32), or None.
+        out_dtype: dtype of ``y``. Byte dtypes (fp8, uint8, ...) are refused: they can be moved
+            but not summed.
+
+    Returns:
+        ``(y [n, H] out_dtype, y_w [n, k] f32 | None)``: ``y[t]`` is the float32 sum of the rows
+        returned for token t (zeros for a token with no destination), cast to ``out_dtype``;
+        ``y_w`` likewise for the weights.
+    """
+    total = routing.total_recv
+    if expert_out.dim() != 2 or expert_out.shape[0] < total:
+        raise EpArgumentError(f"expert_out must be [>= {total}, H], got {tuple(expert_out.shape)}")
+    if weights is not None and (weights.dim() != 2 or weights.shape[0] < total):
+        raise EpArgumentError(f"weights must be [>= {total}, k], got {tuple(weights.shape)}")
+    for what, dt in (("expert_out", expert_out.dtype), ("out_dtype", out_dtype)):
+        if not dt.is_floating_point or dt.itemsize == 1:
+            raise EpArgumentError(f"combine sums rows; {what} dtype {dt} cannot be summed")
+    device = expert_out.device
+    hidden = expert_out.shape[1]
+
+    fields = [_row_bytes(expert_out[:total])]
+    if weights is not None:
+        k = weights.shape[1]
+        fields.append(_row_bytes(weights[:total].to(device=device, dtype=torch.float32)))
+    send = _pack_rows(fields, None)
+    # Reverse exchange: what we received from peer r goes back to r, and we get back exactly the
+    # rows we sent, in our send order (which is routing.send_tok's order).
+    back = torch.empty(sum(routing.send_counts), send.shape[1], dtype=torch.uint8, device=device)
+    dist.all_to_all_single(back, send, routing.send_counts, routing.recv_counts, group=group)
+
+    n = routing.num_tokens
+    send_tok = routing.send_tok.to(device)
+    xw = hidden * expert_out.element_size()
+    rows = _from_row_bytes(back[:, :xw], expert_out.dtype, hidden).float()
+    y = torch.zeros(n, hidden, dtype=torch.float32, device=device).index_add_(0, send_tok, rows)
+    y_w = None
+    if weights is not None:
+        wrows = _from_row_bytes(back[:, xw:], torch.float32, k)
+        y_w = torch.zeros(n, k, dtype=torch.float32, device=device).index_add_(0, send_tok, wrows)
+    return y.to(out_dtype), y_w

@@ -1,0 +1,39 @@
+"""What a backend hands the op: :class:`KernelSet`, the callables of its legs and its schedule."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from mori_jit.ops.ep.core.schedule import Schedule
+
+__all__ = ["KernelSet"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """What a backend built. Callables take a bucket index first (see ``EpDispatchCombineOp._pick``).
+
+    ``dispatch(v, x, weights, scales, indices)`` → ``(out, out_w, out_s, out_idx, total_recv, routing)``,
+    plus a seventh ``(expert_counts, expert_layout)`` from backends with the MoE outputs
+    (:class:`~mori_jit.ops.ep.results.EpDispatchResult`); ``replay(v, x, weights, scales, routing)``
+    the same along an earlier routing (None: no replay);
+    ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
+    output tensors or None); ``combine_expert_major(v, inp, routing, out)`` → ``y`` (None: no
+    expert-major layout). ``bound_launches``, for diagnostics (``tools/profile_ep_host.py``):
+    per leg (``"dispatch"``, ``"combine"``), each bucket's zero-argument launch
+    (:meth:`mori_jit.jit.plan.Plan.bind_struct`) of the args struct the leg's last call filled.
+    """
+
+    dispatch: Callable[..., tuple]
+    combine: Callable[..., tuple]
+    schedule: Schedule
+    capabilities: frozenset[str]  # e.g. "graph": no host work between rounds, so a step can be captured
+    check: Callable[[], None] = lambda: None
+    reset: Callable[[], None] = lambda: None
+    combine_input_buffer: Optional[Callable[[], torch.Tensor]] = None
+    close: Callable[[], None] = lambda: None
+    bound_launches: dict[str, tuple[Callable[[], None], ...]] = dataclasses.field(default_factory=dict)
+    replay: Optional[Callable[..., tuple]] = None
+    combine_expert_major: Optional[Callable[..., torch.Tensor]] = None

@@ -1,0 +1,286 @@
+"""``EpDispatchCombineOp``: the backend-independent EP op.
+
+The base class owns ``dispatch``/``combine``/``_pick``/validation/lifecycle, once. A backend
+supplies three things: ``_regions(cfg)`` (arena region sizes; empty = no arena),
+``_build_kernels(cfg, arena)`` (a :class:`KernelSet`) and ``_unsupported(cfg)`` (what it cannot do).
+Behaviour differences are data on the KernelSet, not overrides. ``EpDispatchCombineOp(cfg, group)``
+returns the backend's subclass, importing only that backend.
+
+Order (docs/design.md §6): process group → capability gate → rank cards (configs compared, ranks
+per device, memory kind) → arena → every variant compiled → launches.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mori_jit.ops.ep.memory.arena import SymmArena, keep_until_exit
+from mori_jit.ops.ep.config import EpDispatchCombineConfig
+from mori_jit.ops.ep.core.arguments import agree_on_arguments, byte_span
+from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
+from mori_jit.ops.ep.core.kernel_set import KernelSet
+from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
+from mori_jit.ops.ep.results import EpDispatchResult
+from mori_jit.ops.ep.memory.peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
+from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpDeviceError, EpPeerError, EpStateError, EpUnsupportedError
+
+_log = logging.getLogger(__name__)
+
+__all__ = ["EpDispatchCombineOp"]
+
+_BACKENDS = {"hip": "mori_jit.ops.ep.backends.hip.backend:EpDispatchCombineOpHip",
+             "torch": "mori_jit.ops.ep.backends.torch.backend:EpDispatchCombineOpTorch"}
+
+
+def _backend_class(name: str) -> type:
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+class EpDispatchCombineOp(abc.ABC):
+    """Expert-parallel dispatch/combine over ``group`` (None = WORLD). Collective to construct.
+
+    Use as a context manager or call :meth:`close` to release the arena.
+    """
+
+    def __new__(cls, cfg: EpDispatchCombineConfig, group=None):
+        if not isinstance(cfg, EpDispatchCombineConfig):  # (before cfg.backend() is asked of it)
+            raise EpArgumentTypeError(f"cfg: expected an EpDispatchCombineConfig, got {type(cfg).__name__}")
+        if cls is EpDispatchCombineOp:
+            cls = _backend_class(cfg.backend())
+        return super().__new__(cls)
+
+    # -- backend hooks ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
+        """Everything this backend cannot do for ``cfg`` (empty = supported); runs before allocation."""
+
+    @abc.abstractmethod
+    def _regions(self, cfg: EpDispatchCombineConfig) -> dict[str, int]:
+        """Arena region name → bytes (empty: the backend needs no symmetric arena)."""
+
+    @abc.abstractmethod
+    def _build_kernels(self, cfg: EpDispatchCombineConfig, arena: Optional[SymmArena]) -> KernelSet:
+        """Compile and load every variant; return the KernelSet the base class drives."""
+
+    def _memory_kind(self, cfg: EpDispatchCombineConfig, cards: list[RankCard]) -> str:
+        """The arena's memory provider (:func:`.peers.memory_kind` unless a backend knows better)."""
+        return memory_kind(cfg.symm_memory, cards)
+
+    def _device(self, cfg: EpDispatchCombineConfig) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def __init__(self, cfg: EpDispatchCombineConfig, group=None):
+        if not isinstance(cfg, EpDispatchCombineConfig):
+            raise EpArgumentTypeError(f"cfg: expected an EpDispatchCombineConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.group = group if group is not None else dist.group.WORLD
+        ws, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if (ws, rank) != (cfg.world_size, cfg.rank):
+            raise EpArgumentError(f"cfg says rank {cfg.rank} of {cfg.world_size}, the process group says {rank} of {ws}")
+        missing = self._unsupported(cfg)
+        if missing:  # before any allocation
+            raise EpUnsupportedError(f"backend {type(self).__name__} does not support: {'; '.join(missing)}")
+        self.device = self._device(cfg)
+        # One collective tells every rank the others' host, device and config, so each decision
+        # below is the same on every rank (a mismatch raises on all of them, none hangs).
+        cards = gather_cards(self.group, RankCard.local(rank, self.device, cfg))
+        mismatch = config_mismatch(cards)
+        if mismatch:
+            raise EpArgumentError(mismatch)
+        #: ranks of the group on this rank's GPU (this one included); they share its SMs/CUs
+        self.ranks_per_device = ranks_sharing_device(cards, rank)
+        regions = self._regions(cfg)
+        self.memory_kind = self._memory_kind(cfg, cards) if regions else None
+        self.arena = SymmArena.create(regions, self.group, self.device, self.memory_kind) if regions else None
+        self._arena_span = byte_span(self.arena.tensor if self.arena is not None else None)
+        self._kernels = self._build_kernels(cfg, self.arena)
+        # What every call reads, resolved once: the config's properties cost a Python call each,
+        # and dispatch()/combine() have a host budget of a few microseconds.
+        # _pick(num_tokens): the bucket index, a lookup among already-compiled variants, never a compile
+        self._pick = self._kernels.schedule.index
+        self._in_dtype, self._comb_dtype, self._cap = cfg.input_dtype, cfg.combine_dtype, cfg.recv_capacity
+        self._routing = None  # the latest dispatch's routing
+        # scales=None is refused only where the caller must pass them (check_scales)
+        self._scales_required = bool(cfg.scale_dim) and cfg.quant_type in (None, "none")
+        # backends whose legs are host collectives agree on the arguments first (see arguments.agree_on_arguments)
+        self._agree_per_call = "host_collectives" in self._kernels.capabilities
+        self._closed = False
+
+    def close(self) -> None:
+        """Collective: release the arena and the kernels' state (idempotent). Every rank calls it
+        (the context manager does): with IPC memory a rank frees its block only after every peer
+        has unmapped it."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._kernels.close()
+        if self.arena is not None:
+            self.arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        """Leaving normally closes the op (collective). Leaving on an exception does not: the
+        peers need not be at a matching ``close()``, so the rank keeps its arena mapped until the
+        process exits (see :meth:`SymmArena.abandon`) and the exception propagates at once instead
+        of waiting on the group."""
+        if exc_type is None:
+            self.close()
+        elif not getattr(self, "_closed", True):
+            self._closed = True
+            keep_until_exit(self._kernels)  # (a kernel may still write its error words)
+            if self.arena is not None:
+                self.arena.abandon()
+                _log.warning("rank %d left an EpDispatchCombineOp on %s; its symmetric memory stays "
+                             "mapped until the process exits", self.cfg.rank, exc_type.__name__)
+
+    @property
+    def kernels(self) -> KernelSet:
+        """What the backend built (launch callables, schedule, capabilities): for diagnostics."""
+        return self._kernels
+
+    def _live(self) -> KernelSet:
+        if self._closed:
+            raise EpStateError("EpDispatchCombineOp is closed")
+        self._kernels.check()
+        return self._kernels
+
+    def check(self) -> None:
+        """Raise :class:`EpDeviceError` if a kernel recorded an error (no host sync).
+
+        A kernel that gives up (a peer did not arrive within ``MORI_EP_TIMEOUT_S``, a short combine
+        input) still returns: its call's outputs are garbage, and nothing says so until the error
+        words are read, which every ``dispatch``/``combine`` does at its start (so the *next* call
+        raises). To know about a step's own outputs, call ``check()`` after the step's work has
+        completed on the device (e.g. after the synchronize that reads a result): it reads a
+        host-mapped word, no sync and no launch (0.2-0.4 µs per call on an H200 host), cheap
+        enough for every step. Recover with :meth:`reset` (collective).
+        """
+        self._live()
+
+    def reset(self) -> None:
+        """Collective: wait for the device, clear counters, flags and errors on every rank."""
+        if self._closed:
+            raise EpStateError("EpDispatchCombineOp is closed")
+        self._kernels.reset()
+
+    def get_combine_input_buffer(self) -> torch.Tensor:
+        """A ``[recv_capacity, hidden]`` buffer (combine dtype) an expert may write into: the same
+        tensor on every call (the ``hip`` backend allocates it on the first, outside the symmetric
+        arena, so an op that never asks costs nothing).
+
+        ``combine(buffer[:rows] or buffer, ...)`` reads it in place, as it reads any input (the
+        ``hip`` backend has no staging copy), so it is a convenience: a static address for graph
+        captures and no allocation per step. Only this rank writes it; rows beyond ``total_recv``
+        are ignored.
+        """
+        k = self._live()
+        if k.combine_input_buffer is None:
+            raise EpUnsupportedError(f"{type(self).__name__} has no combine input buffer")
+        return k.combine_input_buffer()
+
+    # -- the op ----------------------------------------------------------------------------------
+    def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
+                 indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
+                 return_result: bool = False):
+        """Send each token to the ranks of its top-k experts (once per distinct rank).
+
+        Args:
+            input: ``[n, hidden]`` ``cfg.input_dtype`` (the dispatch dtype; bf16 under ``quant_type``,
+                which the op casts to fp8 with block scales on the way), ``n <= M``.
+            weights: ``[n, k]`` float32 top-k weights, or None (then every rank passes None).
+            scales: ``[n, scale_dim]`` per-token scales of ``scale_type_size``-byte elements when the
+                config declares ``scale_dim`` (and no ``quant_type``); else None.
+            indices: ``[n, k]`` ``cfg.index_dtype`` expert ids; an id ``< 0`` or out of range drops
+                its slot. None on a replay (the routing has them).
+            routing: replay (``cfg.routing_replay``): the routing of this op's latest dispatch; the new
+                payload (``input``, ``weights``, ``scales`` of the same n tokens) lands at the same
+                receive rows and expert-major entries, and no slot is claimed again. The replay's
+                outputs may occupy the buffers of the dispatch it replays (a backend whose outputs
+                are views of one receive buffer, as the ``hip`` backend's are, overwrites them):
+                read that payload first. The routing stays valid for ``combine``.
+            return_routing: also return the routing (what ``combine`` takes).
+            return_result: return an :class:`~mori_jit.ops.ep.results.EpDispatchResult` (every
+                output by name, with the expert counts and the expert-major layout the config asks
+                for) instead of the tuple.
+
+        Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
+        ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
+        valid, in arrival order; ``total_recv`` is a 1-element int32 device tensor (no host sync).
+        Raises :class:`EpDeviceError` if an earlier call's kernel gave up; this call's own failure
+        shows only in a later call or :meth:`check` (its outputs are then garbage).
+        """
+        k = self._live()
+        if self._agree_per_call:
+            n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, k, input,
+                                   weights, scales, indices, routing)
+        else:
+            n = self._check_dispatch(k, input, weights, scales, indices, routing)
+        if routing is None:
+            res = k.dispatch(self._pick(n), input, weights, scales, indices)
+            self._routing = res[5]  # the only routing combine accepts until the next dispatch
+        else:
+            res = k.replay(self._pick(n), input, weights, scales, routing)
+        if return_result:
+            return EpDispatchResult.of(res)
+        return res[:6] if return_routing else res[:5]
+
+    def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing) -> int:
+        """Raise TypeError/ValueError naming a bad argument; return the token count."""
+        return check_dispatch_args(self, k, input, weights, scales, indices, routing)
+
+    def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                indices: Optional[torch.Tensor] = None, *, routing, out: Optional[torch.Tensor] = None,
+                out_weights: Optional[torch.Tensor] = None):
+        """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
+
+        ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
+        Returns ``(out [n, hidden], out_weights [n, k] | None)``, freshly allocated unless the
+        caller passes them: ``out`` (combine dtype) and ``out_weights`` (float32, only with
+        ``weights``) are written in place and returned, which saves the allocations (host time)
+        and gives graph captures static outputs. Collective: every rank calls it, and either every
+        rank passes ``weights`` or none does (a rank sends its rows' weights to their home ranks
+        even when it has no tokens of its own). Repeating a combine for the same dispatch is safe.
+        Like :meth:`dispatch`, a combine whose kernel gave up returns garbage, reported by the next
+        call or by :meth:`check` once the device has run it.
+        """
+        k = self._live()
+        if self._agree_per_call:
+            n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, input, weights,
+                                   routing, out, out_weights)
+        else:
+            n = self._check_combine(input, weights, routing, out, out_weights)
+        return k.combine(self._pick(n), input, weights, routing, out, out_weights)
+
+    def combine_expert_major(self, input: torch.Tensor, *, routing, out: Optional[torch.Tensor] = None):
+        """Sum each token's expert outputs given in the expert-major layout (``cfg.expert_capacity``).
+
+        ``input`` is ``[num_experts_per_rank, expert_capacity, hidden]`` (combine dtype): entry
+        ``(e, c)`` is local expert e's output for the dispatch's layout entry ``(e, c)``, **already
+        multiplied by its top-k weight** (``EpExpertLayout.weights``): the expert side applies the
+        weights, the combine only sums. Padding entries (``recv_row == -1``) are never read into the
+        result (they may hold anything, NaN included). ``y[t]`` = the float32 sum over every entry
+        of token t on every rank (one per valid top-k slot), rounded once to the combine dtype.
+
+        Returns ``out [n, hidden]`` (combine dtype), freshly allocated unless the caller passes it
+        (written in place and returned). Collective: every rank calls it after the same dispatch.
+        """
+        k = self._live()
+        if k.combine_expert_major is None:
+            raise EpUnsupportedError(f"{type(self).__name__} has no expert-major combine")
+        check = check_expert_major_input
+        args = (self.cfg, input, routing, self._routing, out, self.device, self._arena_span)
+        n = agree_on_arguments(self.group, "combine", False, check, *args) if self._agree_per_call else check(*args)
+        return k.combine_expert_major(self._pick(n), input, routing, out)
+
+    def _check_combine(self, input, weights, routing, out, out_weights) -> int:
+        """Raise TypeError/ValueError naming a bad argument; return the token count."""
+        return check_combine_args(self, input, weights, routing, out, out_weights)

@@ -1,0 +1,63 @@
+"""Every error the EP op raises, under one root: ``except EpError`` catches them all.
+
+Each class also derives from the built-in exception a caller would expect (``ValueError`` for a bad
+value, ``TypeError`` for a bad type, ``RuntimeError`` for a failure at run time), so code written
+against the built-ins keeps working. Which need ``op.reset()``: :class:`EpDeviceError` and its
+subclass :class:`EpCapacityError` (a backend that does not sync the host reports both from
+``check()`` or the op's next call).
+"""
+from __future__ import annotations
+
+from mori_jit.jit.fields import ConfigError
+
+__all__ = ["EpError", "EpConfigError", "EpArgumentError", "EpArgumentTypeError", "EpUnsupportedError",
+           "EpStateError", "EpMemoryError", "EpPeerError", "EpDeviceError", "EpCapacityError", "ConfigError"]
+
+
+class EpError(Exception):
+    """The root of every error the EP op raises."""
+
+
+class EpConfigError(EpError, ConfigError):
+    """A config field (or a combination of fields) the op cannot serve; the message names the field,
+    the value and what is allowed. Raised at construction, on every rank, before anything is built.
+    A :class:`~mori_jit.jit.fields.ConfigError` (a ``ValueError``), as the JIT's config errors are."""
+
+
+class EpArgumentError(EpError, ValueError):
+    """A call's argument has a value the op refuses (a shape, an alignment, an overlap, a stale
+    routing); the message names the argument, the value and what is allowed. Nothing was launched."""
+
+
+class EpArgumentTypeError(EpError, TypeError):
+    """A call's argument has the wrong type, dtype or device. Nothing was launched."""
+
+
+class EpUnsupportedError(EpError, NotImplementedError):
+    """The chosen backend cannot serve this config or call; the message lists everything missing."""
+
+
+class EpStateError(EpError, RuntimeError):
+    """The op's state refuses the call: it is closed, or the call is out of step with its peers."""
+
+
+class EpMemoryError(EpError, RuntimeError):
+    """The symmetric arena's memory could not be set up (IPC across hosts, an NVSHMEM bootstrap)."""
+
+
+class EpPeerError(EpError, RuntimeError):
+    """A peer rank refused its arguments of this call; no rank ran it (the message names the rank)."""
+
+
+class EpDeviceError(EpError, RuntimeError):
+    """A kernel recorded an error (a timed-out wait, a short combine input); the op needs ``reset()``."""
+
+
+class EpCapacityError(EpDeviceError):
+    """More (token, expert) pairs reached a local expert than ``cfg.expert_capacity`` rows hold.
+
+    Never a silent truncation: the ``torch`` backend raises it from the ``dispatch`` itself, on the
+    rank whose expert overflowed, after the exchange (so no peer is left inside a collective); a
+    backend that does not sync the host (``hip``) raises it from ``check()`` or the op's next call
+    on that rank, until ``op.reset()`` (collective).
+    """
