@@ -56,7 +56,7 @@ def test_info_with_arch(fake_cc, capsys, monkeypatch):
 
 def test_info_source_root_from_env(fake_cc, capsys, src_copy):
     rc, out, _ = run(capsys, "info", "--arch", "gfx90a")
-    assert rc == 0 and f"source root: {src_copy} (MORI_SOURCE_ROOT)" in out
+    assert rc == 0 and f"source root: {src_copy} (MORI_JIT_SOURCE_ROOT)" in out
     assert f"compiler:    {fake_cc.hipcc}" in out
 
 

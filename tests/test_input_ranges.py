@@ -88,9 +88,9 @@ def test_arch_from_the_environment_with_a_newline_is_refused(fake_cc, capsys, mo
 
 @pytest.mark.parametrize("nic", ["none\n", "ethé"])
 def test_nic_outside_its_alphabet_is_refused(fake_cc, capsys, monkeypatch, nic):
-    monkeypatch.setenv("MORI_DEVICE_NIC", nic)
+    monkeypatch.setenv("MORI_JIT_DEVICE_NIC", nic)
     rc, _, err = _cli(capsys, "compile", "example_axpy", *ARCH)
-    _one_line(rc, err, "MORI_DEVICE_NIC=", "only letters, digits")
+    _one_line(rc, err, "MORI_JIT_DEVICE_NIC=", "only letters, digits")
     assert _cache_files() == []
 
 

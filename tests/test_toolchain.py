@@ -204,15 +204,15 @@ def test_compiler_from_rocm_path(monkeypatch, tmp_path, fake_cc):
 
 def test_extra_flags_and_nic_are_in_the_toolchain(fake_cc, monkeypatch):
     monkeypatch.setenv("MORI_JIT_EXTRA_FLAGS", "-DFOO=1 '-Xptxas -v'")
-    monkeypatch.setenv("MORI_DEVICE_NIC", "mlx5")
+    monkeypatch.setenv("MORI_JIT_DEVICE_NIC", "mlx5")
     tc = make_toolchain("sm_90a")
     assert tc.flags[-2:] == ("-DFOO=1", "-Xptxas -v") and tc.nic == "mlx5"
     assert "-DFOO=1" in tc.command(Path("a"), Path("b"), []) and "mlx5" in tc.key_parts()
 
 
 def test_bad_nic_name_is_rejected(fake_cc, monkeypatch):
-    monkeypatch.setenv("MORI_DEVICE_NIC", "../evil")
-    with pytest.raises(ValueError, match="MORI_DEVICE_NIC"):
+    monkeypatch.setenv("MORI_JIT_DEVICE_NIC", "../evil")
+    with pytest.raises(ValueError, match="MORI_JIT_DEVICE_NIC"):
         make_toolchain("sm_90a")
 
 

@@ -36,13 +36,15 @@ class Setting(Generic[T]):
 
     An unset or empty variable gives the default (a callable default is called then); a value that
     does not parse is a ``ValueError`` naming the variable, the value and what is allowed.
+    ``aliases``: other names of the same variable (e.g. mori's own), read when ``var`` is unset.
     """
 
     #: the type's name in ``mori-jit info``
     type_name = "str"
 
-    def __init__(self, var: str, default: Any, doc: str, *, default_doc: Optional[str] = None):
-        self.var, self.default, self.doc = var, default, doc
+    def __init__(self, var: str, default: Any, doc: str, *, default_doc: Optional[str] = None,
+                 aliases: tuple[str, ...] = ()):
+        self.var, self.default, self.doc, self.aliases = var, default, doc, tuple(aliases)
         self._default_doc = default_doc
         self.attr = ""
 
@@ -52,17 +54,32 @@ class Setting(Generic[T]):
     def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
         return self if obj is None else self.read()
 
+    def _found(self) -> Optional[tuple[str, str]]:
+        """``(name, text)`` of the variable, else of its first alias that is set; None when all are unset or empty."""
+        for name in (self.var, *self.aliases):
+            v = os.environ.get(name)
+            if v not in (None, ""):
+                return name, v
+        return None
+
     def raw(self) -> Optional[str]:
-        """The variable's text, or None when it is unset or empty."""
-        v = os.environ.get(self.var)
-        return v if v not in (None, "") else None
+        """The variable's text (else its first alias that is set), or None when all are unset or empty."""
+        found = self._found()
+        return found[1] if found else None
 
     def read(self) -> T:
-        """The current value: the parsed variable, or the default."""
-        v = self.raw()
-        if v is not None:
-            return self.parse(v)
-        return self.default() if callable(self.default) else self.default
+        """The current value: the parsed variable, or the default. A bad value's error names the
+        variable that was set (an alias, when the value came from one)."""
+        found = self._found()
+        if found is None:
+            return self.default() if callable(self.default) else self.default
+        name, text = found
+        try:
+            return self.parse(text)
+        except ValueError as e:
+            if name == self.var:
+                raise
+            raise ValueError(f"{str(e).replace(self.var, name, 1)} ({name} is read as {self.var})") from None
 
     def parse(self, text: str) -> T:
         """The value of a set variable (subclasses convert and check)."""
@@ -70,8 +87,8 @@ class Setting(Generic[T]):
 
     @property
     def label(self) -> str:
-        """The variable as ``mori-jit info`` names it."""
-        return self.var
+        """The variable as ``mori-jit info`` names it (with its aliases)."""
+        return " | ".join((self.var, *self.aliases))
 
     def default_text(self) -> str:
         """The default as ``mori-jit info`` shows it."""
@@ -80,8 +97,8 @@ class Setting(Generic[T]):
         return "(none)" if self.default is None else str(self.default)
 
     def matches(self, name: str) -> bool:
-        """Whether the environment variable ``name`` is this setting's."""
-        return name == self.var
+        """Whether the environment variable ``name`` is this setting's (or an alias)."""
+        return name == self.var or name in self.aliases
 
     def is_set(self) -> bool:
         """Whether the environment sets this variable (non-empty)."""
@@ -183,18 +200,24 @@ class PrefixSetting(Setting[dict]):
 
     type_name = "family"
 
-    def __init__(self, prefix: str, doc: str):
-        super().__init__(prefix, {}, doc, default_doc="(none)")
+    def __init__(self, prefix: str, doc: str, *, aliases: tuple[str, ...] = ()):
+        super().__init__(prefix, {}, doc, default_doc="(none)", aliases=aliases)
 
     @property
     def label(self) -> str:
-        return self.var + "*"
+        return " | ".join(p + "*" for p in (self.var, *self.aliases))
 
     def read(self) -> dict[str, str]:
-        return {k[len(self.var):]: v for k, v in os.environ.items() if self.matches(k) and v != ""}
+        """``{NAME: text}`` of every set variable of the family; a name under ``prefix`` wins over the
+        same name under an alias prefix."""
+        out: dict[str, str] = {}
+        for prefix in reversed((self.var, *self.aliases)):
+            out.update({k[len(prefix):]: v for k, v in os.environ.items()
+                        if k.startswith(prefix) and len(k) > len(prefix) and v != ""})
+        return out
 
     def matches(self, name: str) -> bool:
-        return name.startswith(self.var) and len(name) > len(self.var)
+        return any(name.startswith(p) and len(name) > len(p) for p in (self.var, *self.aliases))
 
     def is_set(self) -> bool:
         return bool(self.read())
@@ -222,16 +245,16 @@ class CompilerKnobs(Group):
     cuda_home = StrSetting("CUDA_HOME", None, "the CUDA install whose bin/nvcc is tried")
     cuda_path = StrSetting("CUDA_PATH", None, "the CUDA install whose bin/nvcc is tried when CUDA_HOME is unset")
     extra_flags = FlagsSetting("MORI_JIT_EXTRA_FLAGS", "extra compiler flags (shell-split); they enter the key")
-    device_nic = NameSetting("MORI_DEVICE_NIC", "none", "the NIC the kernels are built for; enters the key and "
-                                                        "the cache directory name")
+    device_nic = NameSetting("MORI_JIT_DEVICE_NIC", "none", "the NIC the kernels are built for; enters the key and "
+                                                            "the cache directory name", aliases=("MORI_DEVICE_NIC",))
 
 
 class SourceKnobs(Group):
     """Where the device sources come from."""
 
     name = "source"
-    root = PathSetting("MORI_SOURCE_ROOT", None, "a directory holding kernels/ and templates/",
-                       default_doc="the checkout, else the packaged copy")
+    root = PathSetting("MORI_JIT_SOURCE_ROOT", None, "a directory holding kernels/ and templates/",
+                       default_doc="the checkout, else the packaged copy", aliases=("MORI_SOURCE_ROOT",))
 
 
 class CacheKnobs(Group):

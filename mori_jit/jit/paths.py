@@ -1,6 +1,6 @@
 """Where the device sources come from (``kernels/`` and ``templates/``).
 
-Order: ``MORI_SOURCE_ROOT`` → the checkout this package sits in (an editable install or
+Order: ``MORI_JIT_SOURCE_ROOT`` → the checkout this package sits in (an editable install or
 ``PYTHONPATH=.`` compiles the live tree) → the copy shipped inside the wheel (``mori_jit/_sources``).
 The checkout wins over any packaged copy, so editing a header is never silently ignored.
 """
@@ -25,19 +25,19 @@ def _is_root(p: Path) -> bool:
 
 
 def source_root() -> Path:
-    """The resolved source root (re-read each call: ``MORI_SOURCE_ROOT`` may change in tests)."""
+    """The resolved source root (re-read each call: ``MORI_JIT_SOURCE_ROOT`` may change in tests)."""
     env = knobs.source.root
     if env is not None:
         if not _is_root(env):
-            raise SourceRootError(f"MORI_SOURCE_ROOT={env} does not hold kernels/ and templates/")
+            raise SourceRootError(f"MORI_JIT_SOURCE_ROOT={env} does not hold kernels/ and templates/")
         return env.resolve()
     return _default_root()
 
 
 def source_root_origin(root: Path) -> str:
-    """Where ``root`` (a :func:`source_root` answer) comes from: ``MORI_SOURCE_ROOT``, ``packaged copy`` or ``checkout``."""
+    """Where ``root`` (a :func:`source_root` answer) comes from: ``MORI_JIT_SOURCE_ROOT``, ``packaged copy`` or ``checkout``."""
     if knobs.source.root is not None:
-        return "MORI_SOURCE_ROOT"
+        return "MORI_JIT_SOURCE_ROOT"
     packaged = _PKG / "_sources"
     return "packaged copy" if root in (packaged, packaged.resolve()) else "checkout"
 
@@ -48,7 +48,7 @@ def _default_root() -> Path:
         if _is_root(cand):
             return cand
     raise SourceRootError(f"no kernels/ and templates/ next to {_PKG} or in {_PKG / '_sources'}; "
-                          f"set MORI_SOURCE_ROOT to a checkout")
+                          f"set MORI_JIT_SOURCE_ROOT to a checkout")
 
 
 def kernels_dir() -> Path:

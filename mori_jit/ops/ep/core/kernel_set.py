@@ -21,7 +21,7 @@ class KernelSet:
     the same along an earlier routing (None: no replay);
     ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
     output tensors or None); ``combine_expert_major(v, inp, routing, out)`` → ``y`` (None: no
-    expert-major layout). ``bound_launches``, for diagnostics (``tools/profile_ep_host.py``):
+    expert-major layout). ``bound_launches``, for diagnostics (``scripts/profile_ep_host.py``):
     per leg (``"dispatch"``, ``"combine"``), each bucket's zero-argument launch
     (:meth:`mori_jit.jit.plan.Plan.bind_struct`) of the args struct the leg's last call filled.
     """

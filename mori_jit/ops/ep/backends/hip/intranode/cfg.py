@@ -2,7 +2,7 @@
 the generated header ``kernels/ep/ep_generated.hpp`` (with the constants of ``kernel_consts`` and
 the regions and args struct of ``kernel_args``, re-exported here). This module is the one
 declaration of each, and :func:`make_ep_cfg` is the one place that turns a request into an EpCfg
-(arch defaults, then the request, then ``MORI_V2_EP_*`` overrides).
+(arch defaults, then the request, then ``MORI_EP_CFG_*`` overrides).
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def _leg_defaults(kind: str, arch: str) -> dict[str, Any]:
 
 
 def _env_overrides(kind: str) -> dict[str, str]:
-    """``MORI_V2_EP_<FIELD>`` (both legs) and ``MORI_V2_EP_<DISPATCH|COMBINE>_<FIELD>`` (one leg)."""
+    """``MORI_EP_CFG_<FIELD>`` (both legs) and ``MORI_EP_CFG_<DISPATCH|COMBINE>_<FIELD>`` (one leg)."""
     by_key = {f.name.upper(): f.name for f in cfg_fields(EpCfg)}
     out: dict[str, str] = {}
     legs = (DISPATCH.upper() + "_", COMBINE.upper() + "_")
@@ -209,16 +209,16 @@ def _env_overrides(kind: str) -> dict[str, str]:
             name = raw[len(leg):] if leg else raw
             field = by_key.get(name.replace("_", ""))
             if field is None:
-                raise ConfigError(f"MORI_V2_EP_{raw}: no EpCfg field {name!r}; valid: "
-                                  f"{', '.join('MORI_V2_EP_[DISPATCH_|COMBINE_]' + k for k in by_key)}")
+                raise ConfigError(f"MORI_EP_CFG_{raw}: no EpCfg field {name!r}; valid: "
+                                  f"{', '.join('MORI_EP_CFG_[DISPATCH_|COMBINE_]' + k for k in by_key)}")
             out[field] = value
     return out
 
 
 def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
-    """The EpCfg for leg ``kind`` on ``arch``: arch defaults ← ``request`` ← ``MORI_V2_EP_*`` overrides.
+    """The EpCfg for leg ``kind`` on ``arch``: arch defaults ← ``request`` ← ``MORI_EP_CFG_*`` overrides.
 
-    The only place ``MORI_V2_EP_*`` is read; the result goes into the key like any other Cfg. The
+    The only place ``MORI_EP_CFG_*`` is read; the result goes into the key like any other Cfg. The
     combine leg refuses byte dtypes (they can be moved, not summed) and bulk copies (dispatch only).
     """
     if kind not in (DISPATCH, COMBINE, LAYOUT, EXPERT_SUM):
@@ -230,7 +230,7 @@ def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
         raise ConfigError(f"combine dtype {cfg.dtype.name} cannot be summed; combine supports Bf16 and Fp32")
     if kind == COMBINE and cfg.bulkMinTokens:
         raise ConfigError(f"bulkMinTokens={cfg.bulkMinTokens} on the combine leg: bulk copies are a dispatch "
-                          f"choice (set MORI_V2_EP_DISPATCH_BULKMINTOKENS, not MORI_V2_EP_BULKMINTOKENS)")
+                          f"choice (set MORI_EP_CFG_DISPATCH_BULKMINTOKENS, not MORI_EP_CFG_BULKMINTOKENS)")
     if cfg.bulkMinTokens and not has_bulk_copy(arch):
         raise ConfigError(f"bulkMinTokens={cfg.bulkMinTokens} on {arch}: no bulk-copy unit there "
                           f"(NVIDIA sm_90 and later); use 0")

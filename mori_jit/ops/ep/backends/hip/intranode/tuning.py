@@ -10,7 +10,7 @@ clamps blocks to the device's CU/SM count (combine's cross-device barrier needs 
 resident). When two geometries measure within noise, the table holds the smaller one: it leaves SMs
 to the expert GEMMs that overlap with communication.
 
-Entries come from ``tools/bench_ep.py --sweep`` (machine and method: docs/performance.md).
+Entries come from ``scripts/bench_ep.py --sweep`` (machine and method: docs/performance.md).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ ONE_TOKEN_COMBINE: dict[str, int] = {"vecUnroll": 2}
 # 93.0-93.5 against 95.6-96.0; 15.5 (2048): bf16 91.9-92.1 against 92.5-92.6, fp8 51.5-51.8 against
 # 52.4-52.8; 7.8 (1024): bf16 51.0-51.1 against 50.5-50.7, fp8 equal; 8 (512 on 64): bf16 equal,
 # fp8 20.2-20.8 against 19.5-19.8; 4 (256 on 64): equal; 1-2 (128): bf16 15.3-15.6 against 13.9-14.7.
-# The edge lies between 8 and 15.5 (not swept): 12. On 64 blocks (MORI_V2_EP_DISPATCH_BLOCKNUM)
+# The edge lies between 8 and 15.5 (not swept): 12. On 64 blocks (MORI_EP_CFG_DISPATCH_BLOCKNUM)
 # at 4096: bf16 179.2-179.5 against 185.6-185.7, fp8 98.0-98.3 against 103.5-103.6. Not at one rank
 # (EP1 copies into its own memory, no link; 4096 tokens): bf16 37.6-38.0 against 38.3-38.9,
 # but fp8 33.2-33.4 against 23.8 on 64 blocks and 25.2 against 20.5 on 132.
@@ -55,7 +55,7 @@ BULK_DISPATCH_MIN_TOKENS: int = 12
 # dtype name -> (world_size, hidden, topk, experts_per_rank | None) -> buckets
 #
 # Swept on sm_90a (2 x H200), hidden 7168, topk 8, 128 experts per rank at EP2 and 256 at EP1, graph
-# mode, every point golden-gated (``tools/bench_ep.py --sweep``; machine and method in
+# mode, every point golden-gated (``scripts/bench_ep.py --sweep``; machine and method in
 # docs/performance.md). Two runs of one point differ by about ±1 µs at 128/512 tokens and ±2 µs at
 # 4096; within that the smaller geometry (fewer warps in total) is kept. µs, fastest first:
 #   EP2 dispatch bf16  128: 64x8 14.8 | 64x16 14.8 | 132x8 15.2 | 132x16 15.3
@@ -75,7 +75,7 @@ BULK_DISPATCH_MIN_TOKENS: int = 12
 #                     4096: 132x16 39.4 | 132x8 44.2
 #   EP1 combine        128: 64x16 9.3/9.2 | 132x16 9.5/9.5 | 64x8 10.2 | 132x8 10.6
 #                     4096: 132x16 51.7 | 132x8 66.3
-#   EP1 dispatch fp8 with fp32 block scales (tools/bench_ep_moe.py; one run, 64x16 | 132x16):
+#   EP1 dispatch fp8 with fp32 block scales (scripts/bench_ep_moe.py; one run, 64x16 | 132x16):
 #       caller-cast rows  128: 6.4 | 6.6   512: 7.8 | 7.3   1024: 10.0 | 8.8   4096: 28.7 | 23.6
 #       in-kernel cast    128: 7.8 | 7.6   512: 10.5 | 8.5  1024: 15.1 | 11.5  4096: 59.6 | 35.9
 #       (the cast is arithmetic: every SM pays from 512 tokens; 128 is within noise, so 64 kept)

@@ -1,8 +1,8 @@
 """EP dispatch/combine benchmark: the ``hip`` backend (eager and graph) beside the ``torch`` backend
 (NCCL) and the measured link ceiling, in one run. One process per GPU (spawned here; NCCL).
 
-    PYTHONPATH=. python3 tools/bench_ep.py --out results/   # JSON + Markdown + PNG
-    PYTHONPATH=. python3 tools/bench_ep.py --sweep --tokens 128 4096   # blocks x warps sweep
+    PYTHONPATH=. python3 scripts/bench_ep.py --out results/   # JSON + Markdown + PNG
+    PYTHONPATH=. python3 scripts/bench_ep.py --sweep --tokens 128 4096   # blocks x warps sweep
 
 Workload (defaults): hidden 7168, topk 8, 256 experts in total, tokens per rank 128/512/1024/4096,
 routing = a random permutation of experts per token, first k; bf16/bf16 and fp8/bf16 legs.
