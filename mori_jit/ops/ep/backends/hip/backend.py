@@ -46,7 +46,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
         missing = hip_gaps(cfg)  # (shared with mori-jit precompile --ep)
         if not torch.cuda.is_available():
-            missing.append("a CUDA/ROCm device (none visible)")
+            missing.append("a CUDA/ROCm device (none visible; kernel_backend='torch' runs the same op on "
+                           "torch.distributed collectives, on the CPU too)")
         elif cfg.is_internode and not missing:
             from mori_jit.ops.ep.memory.nvshmem import nvshmem_gap
             why = nvshmem_gap(self.group)
