@@ -43,7 +43,7 @@ _MODULE_OF = {"EpDispatchCombineConfig": ".config", "EpDispatchCombineOp": ".cor
               "EpDispatchResult": ".results", "EpExpertLayout": ".results",
               **{name: ".errors" for name in ("EpError", "EpConfigError", "ConfigError", "EpArgumentError",
                                               "EpArgumentTypeError", "EpUnsupportedError", "EpStateError",
-                                              "EpMemoryError", "EpPeerError", "EpDeviceError", "EpCapacityError")}}
+                                              "EpMemoryError", "EpBuildError", "EpPeerError", "EpDeviceError", "EpCapacityError")}}
 
 __all__ = list(_MODULE_OF)
 

@@ -8,10 +8,14 @@ subclass :class:`EpCapacityError` (a backend that does not sync the host reports
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 from mori_jit.jit.fields import ConfigError
 
 __all__ = ["EpError", "EpConfigError", "EpArgumentError", "EpArgumentTypeError", "EpUnsupportedError",
-           "EpStateError", "EpMemoryError", "EpPeerError", "EpDeviceError", "EpCapacityError", "ConfigError"]
+           "EpStateError", "EpMemoryError", "EpBuildError", "EpPeerError", "EpDeviceError", "EpCapacityError", "ConfigError",
+           "jit_errors_as_ep_errors"]
 
 
 class EpError(Exception):
@@ -45,6 +49,11 @@ class EpMemoryError(EpError, RuntimeError):
     """The symmetric arena's memory could not be set up (IPC across hosts, an NVSHMEM bootstrap)."""
 
 
+class EpBuildError(EpError, RuntimeError):
+    """The backend could not build or load its kernels: a compiler, toolchain, source or driver
+    error of the JIT (the message is the JIT's; ``__cause__`` is the JIT's exception)."""
+
+
 class EpPeerError(EpError, RuntimeError):
     """A peer rank refused its arguments of this call; no rank ran it (the message names the rank)."""
 
@@ -61,3 +70,22 @@ class EpCapacityError(EpDeviceError):
     backend that does not sync the host (``hip``) raises it from ``check()`` or the op's next call
     on that rank, until ``op.reset()`` (collective).
     """
+
+
+@contextlib.contextmanager
+def jit_errors_as_ep_errors() -> Iterator[None]:
+    """Re-raise the JIT's errors escaping the block as the op's: a kernel config the JIT refuses
+    (a :class:`ConfigError`, e.g. from a ``MORI_EP_CFG_*`` override) as :class:`EpConfigError`, a
+    failed build or load as :class:`EpBuildError`. The op's own errors pass through."""
+    from mori_jit.jit.compile import CompileError
+    from mori_jit.jit.paths import SourceRootError
+    from mori_jit.jit.runtime.base import DriverError
+    from mori_jit.jit.toolchain import ToolchainError
+    try:
+        yield
+    except EpError:
+        raise
+    except ConfigError as e:
+        raise EpConfigError(str(e)) from e
+    except (CompileError, ToolchainError, SourceRootError, DriverError) as e:
+        raise EpBuildError(str(e)) from e

@@ -27,7 +27,7 @@ from mori_jit.ops.ep.core.kernel_set import KernelSet
 from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
 from mori_jit.ops.ep.results import EpDispatchResult
 from mori_jit.ops.ep.memory.peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
-from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpDeviceError, EpPeerError, EpStateError, EpUnsupportedError
+from mori_jit.ops.ep.errors import EpConfigError, jit_errors_as_ep_errors, EpArgumentError, EpArgumentTypeError, EpDeviceError, EpPeerError, EpStateError, EpUnsupportedError
 
 _log = logging.getLogger(__name__)
 
@@ -93,14 +93,16 @@ class EpDispatchCombineOp(abc.ABC):
         cards = gather_cards(self.group, RankCard.local(rank, self.device, cfg))
         mismatch = config_mismatch(cards)
         if mismatch:
-            raise EpArgumentError(mismatch)
+            raise EpConfigError(mismatch)
         #: ranks of the group on this rank's GPU (this one included); they share its SMs/CUs
         self.ranks_per_device = ranks_sharing_device(cards, rank)
-        regions = self._regions(cfg)
+        with jit_errors_as_ep_errors():
+            regions = self._regions(cfg)
         self.memory_kind = self._memory_kind(cfg, cards) if regions else None
         self.arena = SymmArena.create(regions, self.group, self.device, self.memory_kind) if regions else None
         self._arena_span = byte_span(self.arena.tensor if self.arena is not None else None)
-        self._kernels = self._build_kernels(cfg, self.arena)
+        with jit_errors_as_ep_errors():
+            self._kernels = self._build_kernels(cfg, self.arena)
         # What every call reads, resolved once: the config's properties cost a Python call each,
         # and dispatch()/combine() have a host budget of a few microseconds.
         # _pick(num_tokens): the bucket index, a lookup among already-compiled variants, never a compile
