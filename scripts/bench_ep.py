@@ -179,8 +179,9 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     return _timed(*_time_pairs(fwd, back, iters, lambda i: None))
 
 
-#: Phase stamps written by the kernels (``Stamp``, declared in mori_jit/ops/ep/kernel_cfg.py), as µs
-#: since the kernel's start: (label, stamp, start stamp).
+#: Phase stamps written by the kernels (``Stamp``, declared in
+#: mori_jit/ops/ep/backends/hip/common/consts.py), as µs since the kernel's start: (label, stamp,
+#: start stamp).
 PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDispStart),
           ("disp: block 0 copies done", Stamp.kStDispLoopDone, Stamp.kStDispStart),
           ("disp: last block's done count sent", Stamp.kStDispCounted, Stamp.kStDispStart),

@@ -226,7 +226,7 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
 
 def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
     """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op (an
-    internode op's: :func:`.internode_variants.net_variants`). A config the live op refuses
+    internode op's: :func:`.internode.variants.net_variants`). A config the live op refuses
     (:func:`hip_gaps`) is refused here too."""
     cfg, num_cus = config_from_strings(request)
     gaps = hip_gaps(cfg, arch)

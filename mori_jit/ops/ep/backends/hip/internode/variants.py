@@ -26,7 +26,7 @@ from mori_jit.ops.ep.errors import EpConfigError
 
 __all__ = ["NetVariants", "net_variants", "internode_gaps", "bucket_families", "BUILT_FAMILIES"]
 
-#: The internode families whose kernels exist (see internode_spec.FAMILY_BODIES).
+#: The internode families whose kernels exist (see internode.specs.FAMILY_BODIES).
 BUILT_FAMILIES = ("v2_ll", "v2")
 
 

@@ -1,6 +1,6 @@
 """EP kernel config (``EpCfg``): its fields, derived arithmetic, validity rules, region sizes, and
-the generated header ``kernels/ep/ep_generated.hpp`` (with the constants of ``kernel_consts`` and
-the regions and args struct of ``kernel_args``, re-exported here). This module is the one
+the generated header ``kernels/ep/ep_generated.hpp`` (with the constants of ``common.consts`` and
+the regions and args struct of ``intranode.args``, re-exported here). This module is the one
 declaration of each, and :func:`make_ep_cfg` is the one place that turns a request into an EpCfg
 (arch defaults, then the request, then ``MORI_EP_CFG_*`` overrides).
 """
