@@ -115,10 +115,11 @@ def _read_member(dfd: int, name: str) -> bytes:
     except OSError as e:
         raise CorruptEntry(f"{name} cannot be opened ({'a symbolic link' if e.errno == errno.ELOOP else e.strerror})") \
             from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # (checked before reading: a directory cannot be read as a file)
+        os.close(fd)
+        raise CorruptEntry(f"{name} is not a regular file ({stat.filemode(st.st_mode)})")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptEntry(f"{name} is not a regular file ({stat.filemode(st.st_mode)})")
         if st.st_size > MAX_BYTES[name]:
             raise CorruptEntry(f"{name} has {st.st_size} bytes, more than the {MAX_BYTES[name]} allowed")
         if not knobs.cache.shared and (st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022):

@@ -190,6 +190,11 @@ def _only_files(d: Path, allowed: frozenset[str]) -> bool:
     return is_real_dir(d) and all(p.name in allowed and not stat.S_ISDIR(_lmode(p)) for p in children(d))
 
 
+def _only_names(d: Path, allowed: frozenset[str]) -> bool:
+    """Whether ``d`` is a real directory holding nothing but names in ``allowed`` (whatever they are)."""
+    return is_real_dir(d) and all(p.name in allowed for p in children(d))
+
+
 @dataclasses.dataclass
 class Contents:
     """What is under a cache root, by kind (paths, sorted).
@@ -215,7 +220,7 @@ _BOOKKEEPING = {  # directory -> (shape of an item, is that item a directory hol
 
 
 def _entry_extras(d: Path) -> str:
-    extras = [p.name for p in children(d) if p.name not in ENTRY_FILES or stat.S_ISDIR(_lmode(p))]
+    extras = [p.name for p in children(d) if p.name not in ENTRY_FILES]
     return ("an entry holding what mori-jit did not make: " + ", ".join(extras[:3]) +
             (f" and {len(extras) - 3} more" if len(extras) > 3 else "")) if extras else "not a directory"
 
@@ -238,7 +243,8 @@ def classify(root: Path) -> Contents:
             continue
         if ARCH_DIR_RE.fullmatch(name):
             for p in children(top):
-                if ENTRY_DIR_RE.fullmatch(p.name) and _only_files(p, ENTRY_FILES):
+                # (a member that is a directory or a link is a damaged entry: still the cache's)
+                if ENTRY_DIR_RE.fullmatch(p.name) and _only_names(p, ENTRY_FILES):
                     out.entries.append(p)
                 else:
                     out.foreign.append((p, _entry_extras(p) if ENTRY_DIR_RE.fullmatch(p.name) else alien))
