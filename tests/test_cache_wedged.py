@@ -2,10 +2,16 @@
 
 * an entry member (``meta.json``, the binary, the source) that is a directory is reported as
   corrupt, skipped by ``verify`` (which goes on with the other entries), removed by ``clear`` and
-  rebuilt by the next compile.
+  rebuilt by the next compile;
+* the first compile into a new cache on a full disk leaves no half-written ``CACHEDIR.TAG``.
+The full disk is a tmpfs, which needs root to mount; without it that case skips.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,3 +62,30 @@ def test_an_entry_member_that_is_a_directory_is_reported_skipped_cleared_and_reb
     rc, out, err = _cli(capsys, "cache", "clear")
     assert rc == 0 and "removed 2 entries" in out and "left" not in out, (out, err)
     assert cache.list_entries() == []
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A directory on a tmpfs of 64 KiB that a file fills (root only: it mounts)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8): a small tmpfs stands for the full disk")
+    mnt = tmp_path / "full-disk"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        with open(mnt / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_first_compile_into_a_new_cache_on_a_full_disk_leaves_no_marker_tmp(fake_cc, capsys, monkeypatch, full_disk):
+    root = full_disk / "cache"
+    monkeypatch.setenv("MORI_JIT_CACHE_DIR", str(root))
+    rc, _, err = _cli(capsys, "compile", "example_axpy", "--arch", ARCH)
+    assert rc == 1 and "No space left on device" in err and str(root / "CACHEDIR.TAG") in err, err
+    assert sorted(p.name for p in root.iterdir()) == []

@@ -26,6 +26,7 @@ naming mori-jit: only under a marked root does ``cache clear`` remove the cache'
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pwd
@@ -153,12 +154,20 @@ def is_marked(root: Path) -> bool:
 
 
 def write_marker(root: Path) -> None:
-    """Write mori-jit's ``CACHEDIR.TAG`` into ``root`` (atomically: tmp file + rename)."""
+    """Write mori-jit's ``CACHEDIR.TAG`` into ``root`` (atomically: tmp file + rename). On an error
+    (a full disk) the tmp file is removed again and the error names the marker."""
     tmp = root / f".{MARKER_NAME}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, file_mode())
-    with os.fdopen(fd, "w") as f:
-        f.write(_MARKER_TEXT)
-    os.replace(tmp, root / MARKER_NAME)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode())
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_MARKER_TEXT)
+        os.replace(tmp, root / MARKER_NAME)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write {root / MARKER_NAME}: {e.strerror or e}") from None
+        raise
 
 
 # ------------------------------------------------------------------------------------------------
