@@ -3,12 +3,14 @@
 * an entry member (``meta.json``, the binary, the source) that is a directory is reported as
   corrupt, skipped by ``verify`` (which goes on with the other entries), removed by ``clear`` and
   rebuilt by the next compile;
-* the first compile into a new cache on a full disk leaves no half-written ``CACHEDIR.TAG``.
-The full disk is a tmpfs, which needs root to mount; without it that case skips.
+* the first compile into a new cache on a full disk leaves no half-written ``CACHEDIR.TAG``;
+* ``cache clear`` and ``cache verify --remove`` that cannot remove what they should exit non-zero.
+Cases that need root (a tmpfs as the full disk, a second Unix user) skip without it.
 """
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import unix_users
 from mori_jit.cli import main
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg, AxpyDType
 from mori_jit.jit import cache
@@ -89,3 +92,33 @@ def test_first_compile_into_a_new_cache_on_a_full_disk_leaves_no_marker_tmp(fake
     rc, _, err = _cli(capsys, "compile", "example_axpy", "--arch", ARCH)
     assert rc == 1 and "No space left on device" in err and str(root / "CACHEDIR.TAG") in err, err
     assert sorted(p.name for p in root.iterdir()) == []
+
+
+def test_clear_and_verify_remove_that_cannot_remove_exit_non_zero(fake_cc, capsys, monkeypatch):
+    users = unix_users.ensure_users()
+    owner, reader = users["mori-jit-test-owner"], users["mori-jit-test-reader"]
+    base = unix_users.shared_tmpdir()
+    try:
+        root = base / "team-cache"
+        monkeypatch.setenv("MORI_JIT_CACHE_DIR", str(root))
+        entry = _build()
+        entry.binary.write_bytes(b"damaged")  # (verify --remove has a corrupt entry to remove)
+        unix_users.chown_tree(root, owner.pw_uid, owner.pw_gid)
+
+        def as_reader():
+            os.environ["MORI_JIT_SHARED_CACHE"] = "1"
+            results = {}
+            for verb in (["cache", "clear"], ["cache", "verify", "--remove"]):
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    rc = main(verb)
+                results[verb[1]] = rc, out.getvalue(), err.getvalue()
+            return results
+
+        for verb, (rc, out, err) in unix_users.run_as(reader, as_reader).items():
+            assert rc == 1 and f"left     {_rel(entry.path)}: cannot remove it: Permission denied" in out, (verb, out)
+            assert "could not be removed (listed above)" in err, (verb, err)
+        assert entry.path.is_dir() and cache.list_entries() == [entry.path]
+    finally:
+        shutil.rmtree(base)
+        unix_users.remove_users()

@@ -3,7 +3,8 @@
 Nothing is removed unless it is provably the cache's (:func:`~mori_jit.jit.cache_layout.classify`):
 an entry-shaped directory holding only entry files, and, under a root marked as mori-jit's, the
 cache's bookkeeping (build dirs no process holds, lock files, kept failed sources, legacy template
-bytecode). Everything else is left where it is and reported, with the reason.
+bytecode). Everything else is left where it is and reported, with the reason; so is what could
+not be removed (:attr:`Removal.failed`), which the CLI turns into a non-zero exit.
 """
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ class EntryInfo:
 
 @dataclasses.dataclass
 class Removal:
-    """What a removal did: ``removed`` counts by kind; ``left`` is ``(path, why)`` of what stayed."""
+    """What a removal did: ``removed`` counts by kind; ``left`` is ``(path, why)`` of what stayed on
+    purpose (not the cache's, in use); ``failed`` is ``(path, why)`` of what could not be removed."""
 
     removed: dict[str, int] = dataclasses.field(default_factory=dict)
     left: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
 
     def count(self, kind: str) -> None:
         """Count one removed item of ``kind``."""
@@ -78,8 +81,10 @@ def _remove_entry(p: Path, marked: bool) -> None:
 def _try(out: Removal, kind: str, p: Path, fn) -> None:
     try:
         fn()
+    except FileNotFoundError:  # gone meanwhile (another clear, or a compile replacing it): not ours to count
+        pass
     except OSError as e:
-        out.left.append((p, f"cannot remove it: {e.strerror or e}"))
+        out.failed.append((p, f"cannot remove it: {e.strerror or e}"))
     else:
         out.count(kind)
 
