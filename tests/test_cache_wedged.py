@@ -4,7 +4,9 @@
   corrupt, skipped by ``verify`` (which goes on with the other entries), removed by ``clear`` and
   rebuilt by the next compile;
 * the first compile into a new cache on a full disk leaves no half-written ``CACHEDIR.TAG``;
-* ``cache clear`` and ``cache verify --remove`` that cannot remove what they should exit non-zero.
+* ``cache clear`` and ``cache verify --remove`` that cannot remove what they should exit non-zero;
+* ``-save-temps`` in the flags leaves the published entry its three files (fake compiler, and
+  Debian's hipcc where it is installed).
 Cases that need root (a tmpfs as the full disk, a second Unix user) skip without it.
 """
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 import pytest
 
 import unix_users
+from fake_compiler import output_for
+from jit_helpers import toolchain_or_skip
 from mori_jit.cli import main
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg, AxpyDType
 from mori_jit.jit import cache
@@ -122,3 +126,21 @@ def test_clear_and_verify_remove_that_cannot_remove_exit_non_zero(fake_cc, capsy
     finally:
         shutil.rmtree(base)
         unix_users.remove_users()
+
+
+def test_save_temps_leaves_the_entry_its_three_files_and_clear_removes_it(fake_cc, capsys, monkeypatch):
+    monkeypatch.setenv("MORI_JIT_EXTRA_FLAGS", "-save-temps")
+    entry = _build(arch="gfx90a")
+    assert "-save-temps" in fake_cc.compiles()[-1]["argv"]
+    assert sorted(p.name for p in entry.path.iterdir()) == sorted([cache.SOURCE_NAME, "kernel.hsaco", cache.META_NAME])
+    assert entry.read_binary() == output_for((entry.path / cache.SOURCE_NAME).read_bytes())
+    rc, out, err = _cli(capsys, "cache", "clear")
+    assert rc == 0 and "removed 1 entries" in out and "left" not in out, (out, err)
+    assert cache.list_entries() == [] and not (cache.cache_root() / "tmp").exists()
+
+
+def test_real_hipcc_save_temps_stay_out_of_the_entry(monkeypatch):
+    monkeypatch.setenv("MORI_JIT_EXTRA_FLAGS", "-save-temps")
+    tc = toolchain_or_skip("gfx90a")
+    entry = build(AXPY, AXPY.make_cfg(tc, {}), tc)
+    assert sorted(p.name for p in entry.path.iterdir()) == sorted([cache.SOURCE_NAME, "kernel.hsaco", cache.META_NAME])

@@ -5,7 +5,7 @@ Layout under the root (``MORI_JIT_CACHE_DIR``)::
 
     CACHEDIR.TAG                              marks the root as mori-jit's
     <arch>_<nic>/kernel.<entry>.<key>/        an entry: kernel.hip, kernel.<hsaco|cubin>, meta.json
-    tmp/<uuid>/                               a build in progress, flock-ed by its process
+    tmp/<uuid>/                               a build in progress: private (0700), flock-ed by its process
     tmp/dead-<uuid>/                          an entry being deleted
     locks/<key>.lock                          per-key compile locks
     failed/<entry>.<key[:16]>/kernel.hip      the source of a failed compile (MORI_JIT_KEEP_FAILED)
@@ -19,7 +19,9 @@ way to run their code as the user. A private cache (the default) is used only wh
 every directory under it that mori-jit reads or writes is owned by the user (or by root) and is not
 writable by group or others; anything else is refused with :class:`CacheUnsafeError`, which names
 the directory, its owner and mode, and the fix. ``MORI_JIT_SHARED_CACHE=1`` accepts a directory of
-another user (a team's cache): its files are then read as data only, and they are still checked.
+another user (a team's cache): its files are then read as data only, and they are still checked,
+and what mori-jit writes or removes there goes through directory handles that refuse links
+(:mod:`~mori_jit.jit.cache_fs`), as the directories' owners can swap any of them for a link.
 
 The root of a cache carries ``CACHEDIR.TAG`` (the standard marker that also keeps backup tools out),
 naming mori-jit: only under a marked root does ``cache clear`` remove the cache's bookkeeping.
