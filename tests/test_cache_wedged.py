@@ -6,7 +6,9 @@
 * the first compile into a new cache on a full disk leaves no half-written ``CACHEDIR.TAG``;
 * ``cache clear`` and ``cache verify --remove`` that cannot remove what they should exit non-zero;
 * ``-save-temps`` in the flags leaves the published entry its three files (fake compiler, and
-  Debian's hipcc where it is installed).
+  Debian's hipcc where it is installed);
+* ``MORI_JIT_EXTRA_FLAGS`` too long for ``meta.json`` is refused before anything compiles, and the
+  longest allowed ones still give an entry that is read back.
 Cases that need root (a tmpfs as the full disk, a second Unix user) skip without it.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fake_compiler import output_for
 from jit_helpers import toolchain_or_skip
 from mori_jit.cli import main
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg, AxpyDType
-from mori_jit.jit import cache
+from mori_jit.jit import cache, knobs
 from mori_jit.jit.compile import build
 from mori_jit.jit.toolchain import make_toolchain
 
@@ -144,3 +146,18 @@ def test_real_hipcc_save_temps_stay_out_of_the_entry(monkeypatch):
     tc = toolchain_or_skip("gfx90a")
     entry = build(AXPY, AXPY.make_cfg(tc, {}), tc)
     assert sorted(p.name for p in entry.path.iterdir()) == sorted([cache.SOURCE_NAME, "kernel.hsaco", cache.META_NAME])
+
+
+def test_extra_flags_too_long_for_meta_json_are_refused_before_compiling(fake_cc, capsys, monkeypatch):
+    flags = " ".join(["-DA"] * 10300)  # (41 KB; meta.json lists them one a line: over 64 KiB)
+    monkeypatch.setenv("MORI_JIT_EXTRA_FLAGS", flags)
+    rc, _, err = _cli(capsys, "compile", "example_axpy", "--arch", ARCH)
+    assert rc == 1 and err.count("\n") == 1 and fake_cc.compiles() == [], err
+    limit = knobs.CompilerKnobs.extra_flags.max_bytes
+    assert f"MORI_JIT_EXTRA_FLAGS is {len(flags)} bytes long; at most {limit} are allowed" in err, err
+    assert cache.list_entries() == []
+    # the longest flags allowed still give an entry that is read back: one compile, then hits
+    monkeypatch.setenv("MORI_JIT_EXTRA_FLAGS", " ".join(["-DA"] * ((limit + 1) // 4)))
+    for _ in range(2):
+        assert _cli(capsys, "compile", "example_axpy", "--arch", ARCH)[0] == 0
+    assert len(fake_cc.compiles()) == 1

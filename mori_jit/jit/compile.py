@@ -144,7 +144,12 @@ def _compile_into(res: Resolved, toolchain: Toolchain, build_dir: cache_builds.B
             "nic": toolchain.nic, "binary": binary.name,
             "binary_sha256": hashlib.sha256(build_dir.read(binary.name) or b"").hexdigest(),
             "command": cmd, **meta, "compile_s": round(time.perf_counter() - t0, 3)}
-    build_dir.write(cache.META_NAME, json.dumps(meta, indent=1).encode())
+    text = json.dumps(meta, indent=1).encode()
+    if len(text) > cache.MAX_BYTES[cache.META_NAME]:  # (a reader would refuse it: never publish one)
+        raise RuntimeError(f"{cache.META_NAME} of {res.entry_name} would have {len(text)} bytes, more than the "
+                           f"{cache.MAX_BYTES[cache.META_NAME]} a reader accepts: the commands it records are too "
+                           f"long (they hold MORI_JIT_EXTRA_FLAGS and the include paths)")
+    build_dir.write(cache.META_NAME, text)
     return [src.name, binary.name, cache.META_NAME]
 
 
