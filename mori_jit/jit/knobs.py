@@ -173,14 +173,18 @@ class PathSetting(Setting[Optional[Path]]):
 
 
 class FlagsSetting(Setting[tuple]):
-    """Command-line flags, split as a shell would."""
+    """Command-line flags, split as a shell would; at most ``max_bytes`` bytes of text."""
 
     type_name = "flags"
 
-    def __init__(self, var: str, doc: str):
+    def __init__(self, var: str, doc: str, *, max_bytes: int):
         super().__init__(var, (), doc, default_doc="(none)")
+        self.max_bytes = max_bytes
 
     def parse(self, text: str) -> tuple[str, ...]:
+        size = len(text.encode("utf-8", "surrogateescape"))
+        if size > self.max_bytes:
+            raise ValueError(f"{self.var} is {size} bytes long; at most {self.max_bytes} are allowed")
         return tuple(shlex.split(text))
 
 
@@ -244,7 +248,11 @@ class CompilerKnobs(Group):
     rocm_path = StrSetting("ROCM_PATH", "/opt/rocm", "the ROCm install whose bin/hipcc is tried")
     cuda_home = StrSetting("CUDA_HOME", None, "the CUDA install whose bin/nvcc is tried")
     cuda_path = StrSetting("CUDA_PATH", None, "the CUDA install whose bin/nvcc is tried when CUDA_HOME is unset")
-    extra_flags = FlagsSetting("MORI_JIT_EXTRA_FLAGS", "extra compiler flags (shell-split); they enter the key")
+    # (bounded: each entry's meta.json records the compile command, and a reader accepts 64 KiB)
+    extra_flags = FlagsSetting("MORI_JIT_EXTRA_FLAGS", "extra compiler flags (shell-split, at most 16384 bytes); they "
+                               "enter the key. They can make the compiler write elsewhere ('-MD -MF <path>', nvcc "
+                               "--keep-dir): no privilege boundary, as whoever sets them can set MORI_JIT_NVCC",
+                               max_bytes=16384)
     device_nic = NameSetting("MORI_JIT_DEVICE_NIC", "none", "the NIC the kernels are built for; enters the key and "
                                                             "the cache directory name", aliases=("MORI_DEVICE_NIC",))
 
