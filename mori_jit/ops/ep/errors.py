@@ -9,6 +9,7 @@ subclass :class:`EpCapacityError` (a backend that does not sync the host reports
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 from mori_jit.jit.fields import ConfigError
@@ -77,15 +78,24 @@ def jit_errors_as_ep_errors() -> Iterator[None]:
     """Re-raise the JIT's errors escaping the block as the op's: a kernel config the JIT refuses
     (a :class:`ConfigError`, e.g. from a ``MORI_EP_CFG_*`` override) as :class:`EpConfigError`, a
     failed build or load as :class:`EpBuildError`. The op's own errors pass through."""
-    from mori_jit.jit.compile import CompileError
-    from mori_jit.jit.paths import SourceRootError
-    from mori_jit.jit.runtime.base import DriverError
-    from mori_jit.jit.toolchain import ToolchainError
     try:
         yield
     except EpError:
         raise
     except ConfigError as e:
         raise EpConfigError(str(e)) from e
-    except (CompileError, ToolchainError, SourceRootError, DriverError) as e:
-        raise EpBuildError(str(e)) from e
+    except Exception as e:
+        if isinstance(e, _loaded_build_errors()):
+            raise EpBuildError(str(e)) from e
+        raise
+
+
+#: The JIT's build and load errors, by module: looked up only in modules already imported (an
+#: exception of a module never imported cannot have been raised), so the ``torch`` backend's
+#: construction imports none of the JIT's compile or runtime machinery.
+_BUILD_ERRORS = (("mori_jit.jit.compile", "CompileError"), ("mori_jit.jit.toolchain", "ToolchainError"),
+                 ("mori_jit.jit.paths", "SourceRootError"), ("mori_jit.jit.runtime.base", "DriverError"))
+
+
+def _loaded_build_errors() -> tuple[type, ...]:
+    return tuple(getattr(sys.modules[m], n) for m, n in _BUILD_ERRORS if m in sys.modules)
