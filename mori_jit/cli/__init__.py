@@ -1,6 +1,6 @@
 """``mori-jit``: inspect, build and manage the JIT cache from the shell.
 
-Verbs (``mori-jit <verb> --help`` for each)::
+Verbs (``mori-jit <verb> --help`` describes each; ``mori-jit --version`` prints the version)::
 
     mori-jit info [--arch A]                      arch, compiler + signature, engines, source root, cache, env
     mori-jit render SPEC [--arch A] [--set k=v ...]   the translation unit
@@ -27,7 +27,7 @@ from typing import Sequence
 
 from .build import cmd_compile, cmd_describe, cmd_key, cmd_precompile, cmd_render, precompile_targets
 from .cache import cmd_cache
-from .common import PROG, CliError, Parser, UsageError, error_line, positive_int
+from .common import PROG, CliError, Parser, UsageError, error_line, package_version, positive_int
 from .info import cmd_info
 
 __all__ = ["main", "precompile_targets", "CliError", "UsageError"]
@@ -36,29 +36,36 @@ __all__ = ["main", "precompile_targets", "CliError", "UsageError"]
 
 def _parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description="mori-jit: inspect, build and cache JIT GPU kernels.")
+    p.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def verb(name, help_):  # the help line doubles as the description that the verb's --help shows
+        return sub.add_parser(name, help=help_, description=help_ + ".")
 
     def arch_opt(sp):
         sp.add_argument("--arch", help="target arch (gfx90a, gfx942, sm_90a, ...); default: MORI_JIT_ARCH, "
                                        "else the current device")
 
     def spec_verb(name, help_):
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = verb(name, help_)
         sp.add_argument("spec", help="spec name (see 'mori-jit info')")
         arch_opt(sp)
         sp.add_argument("--set", action="extend", nargs="+", metavar="FIELD=VALUE", default=[],
                         help="config field overrides (enum names and numeric strings are accepted)")
         return sp
 
-    sp = sub.add_parser("info", help="arch, compiler, source root, cache dir and environment")
+    sp = verb("info", "show the arch, compilers, launch bindings, source root, cache and settings")
     arch_opt(sp)
     sp.set_defaults(fn=cmd_info)
-    spec_verb("render", "print the translation unit").set_defaults(fn=cmd_render)
-    spec_verb("key", "print the cache key").set_defaults(fn=cmd_key)
-    spec_verb("describe", "print the spec, entry, config and request schema as JSON").set_defaults(fn=cmd_describe)
-    spec_verb("compile", "build (or find in the cache); prints the entry directory").set_defaults(fn=cmd_compile)
+    for name, help_, fn in (
+            ("render", "print the translation unit a config renders to (needs no compiler)", cmd_render),
+            ("key", "print the cache key of a config: its source, toolchain and headers hashed", cmd_key),
+            ("describe", "print the spec, kernel entry, config, geometry and request schema as JSON", cmd_describe),
+            ("compile", "build one config into the cache (or find it there) and print its entry directory",
+             cmd_compile)):
+        spec_verb(name, help_).set_defaults(fn=fn)
 
-    sp = sub.add_parser("precompile", help="compile everything the shipped specs need for one arch")
+    sp = verb("precompile", "compile every kernel the shipped specs (or one EP config) need for one arch")
     sp.add_argument("--arch", help="target arch (gfx90a, gfx942, sm_90a, ...); default: MORI_JIT_ARCH, else the "
                                    "current device, else the installed compiler's (nvcc: sm_90a, hipcc: gfx90a)")
     sp.add_argument("-j", "--jobs", type=positive_int, default=None, help="parallel compiles (default: CPU count)")
@@ -66,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="EP op configuration to precompile variants for (see precompile_targets)")
     sp.set_defaults(fn=cmd_precompile)
 
-    sp = sub.add_parser("cache", help="manage the cache: path | ls | verify | clear")
+    sp = verb("cache", "manage the kernel cache: print its path, list, verify or clear it")
     sp.add_argument("action", choices=["path", "ls", "verify", "clear"])
     sp.add_argument("--remove", action="store_true", help="verify: delete corrupt entries")
     sp.set_defaults(fn=cmd_cache)

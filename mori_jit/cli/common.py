@@ -6,11 +6,20 @@ import re
 import sys
 from typing import Sequence
 
-__all__ = ["PROG", "CliError", "UsageError", "Parser", "positive_int", "parse_sets", "resolve_arch", "arch_or_error",
-           "toolchain_for", "spec_named", "spec_cfg", "ensure_headers", "warn_stale_headers", "fmt_s",
+__all__ = ["PROG", "package_version", "CliError", "UsageError", "Parser", "positive_int", "parse_sets",
+           "resolve_arch", "arch_or_error", "toolchain_for", "spec_named", "spec_cfg", "ensure_headers", "warn_stale_headers", "fmt_s",
            "compile_error_line", "error_line"]
 
 PROG = "mori-jit"
+
+
+def package_version() -> str:
+    """The installed distribution's version, or ``(not installed)`` for a bare checkout."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version("mori-jit")
+    except (ImportError, PackageNotFoundError):
+        return "(not installed)"
 
 
 class CliError(Exception):

@@ -5,17 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import resolve_arch
+from .common import package_version, resolve_arch
 
 __all__ = ["cmd_info"]
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-        return version("mori-jit")
-    except (ImportError, PackageNotFoundError):
-        return "(not installed)"
 
 
 def _settings_lines() -> list[str]:
@@ -91,7 +83,7 @@ def cmd_info(args) -> int:
 
     out = []
     arch, why = resolve_arch(args.arch)
-    out.append(f"mori-jit {_version()} (python {sys.version.split()[0]})")
+    out.append(f"mori-jit {package_version()} (python {sys.version.split()[0]})")
     if arch is None:
         out.append(f"arch:        (none resolvable: {why.rstrip('.')}; or pass --arch)")
     else:

