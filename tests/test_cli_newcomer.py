@@ -4,7 +4,11 @@ ones named."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -39,3 +43,19 @@ def test_gitignore_lists_the_quick_starts_venv():
     # the README's quick start creates .venv/ inside the checkout
     assert ".venv/" in (REPO / ".gitignore").read_text().split()
     assert "python3 -m venv .venv" in (REPO / "README.md").read_text()
+
+
+# -- a reader that leaves ---------------------------------------------------------------------------
+
+def test_output_into_a_closed_pipe_exits_quietly(fake_cc):
+    # (the read end is closed before the command writes, as `mori-jit info | head -1` leaves it once
+    # head has its line: deterministic, where a real head races the writer)
+    r, w = os.pipe()
+    os.close(r)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        p = subprocess.run([sys.executable, "-m", "mori_jit", "info", "--arch", "sm_90a"], stdout=w,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (128 + signal.SIGPIPE, "")

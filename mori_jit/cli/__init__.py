@@ -20,6 +20,8 @@ there). Bad input exits non-zero with one ``mori-jit: error: ...`` line on stder
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import traceback
 import warnings
@@ -81,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad usage, 130 interrupted).
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad usage, 130 interrupted, 141 when
+    the reader of stdout left, as for a program that SIGPIPE ends, without a message).
 
     Python warnings raised while a command runs (torch warns at import when e.g. numpy is missing)
     are held back: after success they are printed as ``mori-jit: warning:`` lines, after an error
@@ -114,6 +117,9 @@ def _run(argv: Sequence[str] | None) -> tuple[int, str | None]:
         return (e.code if isinstance(e.code, int) else (0 if e.code is None else 1)), None
     except KeyboardInterrupt:
         return 130, f"{PROG}: interrupted"
+    except BrokenPipeError:  # the reader left (``mori-jit info | head``): nothing to tell, and no one to tell it
+        _stdout_to_devnull()
+        return 128 + signal.SIGPIPE, None
     except BaseException as e:  # noqa: BLE001 - the one place errors become exit codes
         verbose = _verbose()
         if verbose >= 2:
@@ -121,6 +127,18 @@ def _run(argv: Sequence[str] | None) -> tuple[int, str | None]:
         elif verbose >= 1 and not isinstance(e, CliError):
             print(str(e), file=sys.stderr)
         return (2 if isinstance(e, UsageError) else 1), f"{PROG}: error: {error_line(e)}"
+
+
+def _stdout_to_devnull() -> None:
+    """Point the stdout descriptor at /dev/null, so the interpreter's last flush of the closed pipe
+    at exit raises nothing either."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a stdout without a descriptor (a caller's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":  # pragma: no cover
