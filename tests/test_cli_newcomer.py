@@ -59,3 +59,15 @@ def test_output_into_a_closed_pipe_exits_quietly(fake_cc):
     finally:
         os.close(w)
     assert (p.returncode, p.stderr) == (128 + signal.SIGPIPE, "")
+
+
+# -- --arch: one the toolchain knows ----------------------------------------------------------------
+
+@pytest.mark.parametrize("verb", ["precompile", "info", "render example_axpy", "compile example_axpy"])
+@pytest.mark.parametrize("arch", ["", "sm_91"])
+def test_an_empty_or_unknown_arch_is_refused_naming_the_known_ones(fake_cc, capsys, monkeypatch, verb, arch):
+    monkeypatch.setenv("MORI_JIT_ARCH", "gfx90a")  # (an empty --arch never falls back to it)
+    rc, out, err = run(capsys, *verb.split(), "--arch", arch)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert f"argument --arch: arch {arch!r} is not supported" in err and "sm_90a, " in err and "gfx942, " in err
+    assert fake_cc.compiles() == []

@@ -29,7 +29,7 @@ from typing import Sequence
 
 from .build import cmd_compile, cmd_describe, cmd_key, cmd_precompile, cmd_render, precompile_targets
 from .cache import cmd_cache
-from .common import PROG, CliError, Parser, UsageError, error_line, package_version, positive_int
+from .common import PROG, CliError, Parser, UsageError, arch_name, error_line, package_version, positive_int
 from .info import cmd_info
 
 __all__ = ["main", "precompile_targets", "CliError", "UsageError"]
@@ -45,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_, description=help_ + ".")
 
     def arch_opt(sp):
-        sp.add_argument("--arch", help="target arch (gfx90a, gfx942, sm_90a, ...); default: MORI_JIT_ARCH, "
-                                       "else the current device")
+        sp.add_argument("--arch", type=arch_name, help="target arch (gfx90a, gfx942, sm_90a, ...); default: "
+                                                        "MORI_JIT_ARCH, else the current device")
 
     def spec_verb(name, help_):
         sp = verb(name, help_)
@@ -68,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         spec_verb(name, help_).set_defaults(fn=fn)
 
     sp = verb("precompile", "compile every kernel the shipped specs (or one EP config) need for one arch")
-    sp.add_argument("--arch", help="target arch (gfx90a, gfx942, sm_90a, ...); default: MORI_JIT_ARCH, else the "
-                                   "current device, else the installed compiler's (nvcc: sm_90a, hipcc: gfx90a)")
+    sp.add_argument("--arch", type=arch_name,
+                    help="target arch (gfx90a, gfx942, sm_90a, ...); default: MORI_JIT_ARCH, else the current "
+                         "device, else the installed compiler's (nvcc: sm_90a, hipcc: gfx90a)")
     sp.add_argument("-j", "--jobs", type=positive_int, default=None, help="parallel compiles (default: CPU count)")
     sp.add_argument("--ep", action="extend", nargs="+", metavar="KEY=VALUE", default=[],
                     help="EP op configuration to precompile variants for (see precompile_targets)")

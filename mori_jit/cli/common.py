@@ -6,7 +6,7 @@ import re
 import sys
 from typing import Sequence
 
-__all__ = ["PROG", "package_version", "CliError", "UsageError", "Parser", "positive_int", "parse_sets",
+__all__ = ["PROG", "package_version", "CliError", "UsageError", "Parser", "positive_int", "arch_name", "parse_sets",
            "resolve_arch", "arch_or_error", "toolchain_for", "spec_named", "spec_cfg", "ensure_headers", "warn_stale_headers", "fmt_s",
            "compile_error_line", "error_line"]
 
@@ -47,6 +47,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def arch_name(text: str) -> str:
+    """argparse type: an arch mori-jit builds for (an empty or unknown one is refused, listing the
+    known archs, before anything renders)."""
+    from ..jit.toolchain import ToolchainError, check_arch
+    try:
+        check_arch(text)
+    except ToolchainError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def parse_sets(items: Sequence[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items or ():
@@ -65,7 +76,7 @@ def resolve_arch(arch: str | None, *, from_compiler: bool = False) -> tuple[str 
     """
     from ..jit import knobs, toolchain
     from ..jit.toolchain import ToolchainError, compiler_default_arch, detect_arch
-    if arch:
+    if arch is not None:  # (given, even empty: the caller checks it, never falls back)
         return arch, "--arch"
     env = knobs.compiler.arch
     if env:
