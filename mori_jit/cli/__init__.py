@@ -20,16 +20,18 @@ there). Bad input exits non-zero with one ``mori-jit: error: ...`` line on stder
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import threading
 import traceback
 import warnings
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from .build import cmd_compile, cmd_describe, cmd_key, cmd_precompile, cmd_render, precompile_targets
 from .cache import cmd_cache
-from .common import PROG, CliError, Parser, UsageError, arch_name, error_line, package_version, positive_int
+from .common import PROG, CliError, Parser, Terminated, UsageError, arch_name, error_line, package_version, positive_int
 from .info import cmd_info
 
 __all__ = ["main", "precompile_targets", "CliError", "UsageError"]
@@ -84,8 +86,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad usage, 130 interrupted, 141 when
-    the reader of stdout left, as for a program that SIGPIPE ends, without a message).
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 bad usage, 128 + the signal when one
+    stopped it: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP; 141 when the reader of stdout left, as for a
+    program that SIGPIPE ends, without a message).
 
     Python warnings raised while a command runs (torch warns at import when e.g. numpy is missing)
     are held back: after success they are printed as ``mori-jit: warning:`` lines, after an error
@@ -109,15 +112,42 @@ def _verbose() -> int:
         return 0
 
 
+#: The signals that stop a command as Ctrl-C does: ``kill`` (SIGTERM) and a closed terminal (SIGHUP).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stop_signals_raise() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP raise :class:`Terminated` in the main thread (their default action
+    ends the process at once, leaving the compilers running and their build directories behind);
+    the previous handlers come back after. Elsewhere than the main thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, raise_terminated) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _run(argv: Sequence[str] | None) -> tuple[int, str | None]:
     """Parse and run one command: (exit status, the one error line or None)."""
     try:
-        args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-        return args.fn(args), None
+        with _stop_signals_raise():
+            args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+            return args.fn(args), None
     except SystemExit as e:  # --help
         return (e.code if isinstance(e.code, int) else (0 if e.code is None else 1)), None
     except KeyboardInterrupt:
-        return 130, f"{PROG}: interrupted"
+        return 128 + signal.SIGINT, f"{PROG}: interrupted"
+    except Terminated as e:
+        return 128 + e.signum, f"{PROG}: stopped by {signal.Signals(e.signum).name}"
     except BrokenPipeError:  # the reader left (``mori-jit info | head``): nothing to tell, and no one to tell it
         _stdout_to_devnull()
         return 128 + signal.SIGPIPE, None

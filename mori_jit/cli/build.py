@@ -2,6 +2,7 @@
 ``compile``, ``precompile``."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -70,7 +71,10 @@ def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> l
 
 
 def cmd_precompile(args) -> int:
-    """`mori-jit precompile`: build every shipped variant for an arch in parallel, with progress."""
+    """`mori-jit precompile`: build every shipped variant for an arch in parallel, with progress.
+
+    An interrupt (Ctrl-C, SIGTERM, SIGHUP) stops it: no kernel starts, the running compiles are
+    killed, and the summary line still says what was built, stopped and never started."""
     from ..jit import cache
     from ..jit.precompile import build_all, resolve_targets
     tc = toolchain_for(args.arch, from_compiler=True)
@@ -80,19 +84,30 @@ def cmd_precompile(args) -> int:
     print(f"precompiling {n} kernels for {tc.arch} with {tc.compiler} into {cache.cache_root()}", flush=True)
     width = max((len(r.entry_name) for _, _, r in todo), default=0)
     t_all = time.perf_counter()
-    counts = {"compiled": 0, "hit": 0, "FAILED": 0}
+    counts = {"compiled": 0, "hit": 0, "FAILED": 0, "stopped": 0}
     failed = []
-    for i, done in enumerate(build_all(todo, tc, args.jobs), 1):
+
+    def report(done) -> None:
         counts[done.status] += 1
-        line = f"[{i:>{len(str(n))}}/{n}] {done.entry_name:<{width}}  {done.status:<8} {fmt_s(done.seconds)}"
+        line = f"[{sum(counts.values()):>{len(str(n))}}/{n}] {done.entry_name:<{width}}  {done.status:<8} " \
+               f"{fmt_s(done.seconds)}"
         if done.error is not None:
             line += f"  {compile_error_line(done.error)}"
             failed.append(done.entry_name)
         print(line, flush=True)
-    print(f"done in {time.perf_counter() - t_all:.1f}s: {counts['compiled']} compiled, {counts['hit']} hit, "
-          f"{counts['FAILED']} failed", flush=True)
+
+    def summary(stopped: bool) -> str:
+        text = (f"{'stopped after' if stopped else 'done in'} {time.perf_counter() - t_all:.1f}s: "
+                f"{counts['compiled']} compiled, {counts['hit']} hit, {counts['FAILED']} failed")
+        return text + (f", {counts['stopped']} stopped, {n - sum(counts.values())} not started" if stopped else "")
+
+    try:
+        build_all(todo, tc, args.jobs, report)
+    except BaseException:  # (stopped: the summary still says what was done, unless stdout is what broke)
+        with contextlib.suppress(OSError):
+            print(summary(stopped=True), flush=True)
+        raise
+    print(summary(stopped=False), flush=True)
     if failed:
         raise CliError(f"{len(failed)} of {n} kernels failed to compile: {', '.join(failed)}")
     return 0
-
-

@@ -6,7 +6,7 @@ import re
 import sys
 from typing import Sequence
 
-__all__ = ["PROG", "package_version", "CliError", "UsageError", "Parser", "positive_int", "arch_name", "parse_sets",
+__all__ = ["PROG", "package_version", "CliError", "UsageError", "Terminated", "Parser", "positive_int", "arch_name", "parse_sets",
            "resolve_arch", "arch_or_error", "toolchain_for", "spec_named", "spec_cfg", "ensure_headers", "warn_stale_headers", "fmt_s",
            "compile_error_line", "error_line"]
 
@@ -28,6 +28,16 @@ class CliError(Exception):
 
 class UsageError(CliError):
     """Bad command-line syntax (exit status 2)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived (``signum``). Raised in the main thread by the CLI's handler, so a
+    command stops the way Ctrl-C stops it; a ``BaseException``, as ``KeyboardInterrupt`` is, so that
+    no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class Parser(argparse.ArgumentParser):
