@@ -172,7 +172,7 @@ def test_precompile_failure_reports_every_kernel_and_one_error_line(fake_cc, cap
     monkeypatch.setenv("FAKE_CC_FAIL", "fatal error: platform.hpp: No such file")
     rc, out, err = run(capsys, "precompile", *ARCH)
     n = len(precompile_targets(make_toolchain("sm_90a"), {}))
-    assert_one_line_error(rc, err, f"{n} of {n} kernels failed to compile")
+    assert_one_line_error(rc, err, f"{n} of {n} kernels failed to build")
     status_lines = [ln for ln in out.splitlines() if ln.startswith("[")]
     assert len(status_lines) == n and all(" FAILED " in ln and "No such file" in ln for ln in status_lines)
 

@@ -76,6 +76,7 @@ def cmd_precompile(args) -> int:
     An interrupt (Ctrl-C, SIGTERM, SIGHUP) stops it: no kernel starts, the running compiles are
     killed, and the summary line still says what was built, stopped and never started."""
     from ..jit import cache
+    from ..jit.compile import CompileError
     from ..jit.precompile import build_all, resolve_targets
     tc = toolchain_for(args.arch, from_compiler=True)
     ensure_headers()
@@ -92,7 +93,7 @@ def cmd_precompile(args) -> int:
         line = f"[{sum(counts.values()):>{len(str(n))}}/{n}] {done.entry_name:<{width}}  {done.status:<8} " \
                f"{fmt_s(done.seconds)}"
         if done.error is not None:
-            line += f"  {compile_error_line(done.error)}"
+            line += f"  {compile_error_line(done.error) if isinstance(done.error, CompileError) else done.error}"
             failed.append(done.entry_name)
         print(line, flush=True)
 
@@ -109,5 +110,5 @@ def cmd_precompile(args) -> int:
         raise
     print(summary(stopped=False), flush=True)
     if failed:
-        raise CliError(f"{len(failed)} of {n} kernels failed to compile: {', '.join(failed)}")
+        raise CliError(f"{len(failed)} of {n} kernels failed to build: {', '.join(failed)}")
     return 0

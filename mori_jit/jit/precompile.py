@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any, Callable, Iterable, Optional
 
 from . import cache, procs
+from .cache import CacheUnsafeError
 from .compile import CompileError, Resolved, build, resolve
 from .toolchain import Toolchain
 
@@ -22,13 +24,14 @@ __all__ = ["Outcome", "resolve_targets", "build_all"]
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """One kernel's result: ``status`` is ``compiled``, ``hit``, ``FAILED`` (then ``error``) or
-    ``stopped`` (its compile was killed by a stop)."""
+    """One kernel's result: ``status`` is ``compiled``, ``hit``, ``FAILED`` (then ``error``: the
+    :class:`CompileError`, or an ``OSError`` naming the path it could not write) or ``stopped`` (its
+    compile was killed by a stop)."""
 
     entry_name: str
     status: str
     seconds: float
-    error: Optional[CompileError] = None
+    error: Optional[Exception] = None
 
 
 def resolve_targets(targets: Iterable[tuple[Any, Any]], toolchain: Toolchain) -> list[tuple[Any, Any, Resolved]]:
@@ -52,9 +55,21 @@ def _one(item: tuple[Any, Any, Resolved], toolchain: Toolchain) -> Outcome:
         build(spec, cfg, toolchain, resolved=res)
     except CompileError as e:
         return Outcome(res.entry_name, "FAILED", time.perf_counter() - t0, e)
+    except CacheUnsafeError:  # (the cache as a whole is refused: one error, not one per kernel)
+        raise
+    except OSError as e:  # a full disk, a read-only cache: this kernel fails, the others are tried
+        return Outcome(res.entry_name, "FAILED", time.perf_counter() - t0, _write_error(e, res))
     except procs.Stopped:
         return Outcome(res.entry_name, "stopped", time.perf_counter() - t0)
     return Outcome(res.entry_name, "hit" if hit else "compiled", time.perf_counter() - t0)
+
+
+def _write_error(e: OSError, res: Resolved) -> OSError:
+    """``e`` as one line naming the path it failed on: its file, else the entry being built (whose
+    build directory is on the same filesystem)."""
+    code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
+    what = f"{e.filename} (building the cache entry {res.path})" if e.filename else f"the cache entry {res.path}"
+    return OSError(f"cannot write {what}: {e.strerror or e}{code}")
 
 
 def build_all(todo: list[tuple[Any, Any, Resolved]], toolchain: Toolchain, jobs: Optional[int] = None,
