@@ -9,11 +9,14 @@ import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
 from conftest import REPO
-from mori_jit.cli import main
+from mori_jit.cli import main, precompile_targets
+from mori_jit.jit.registry import all_specs
+from mori_jit.jit.toolchain import make_toolchain
 
 VERBS = ("info", "render", "key", "describe", "compile", "precompile", "cache")
 
@@ -71,3 +74,41 @@ def test_an_empty_or_unknown_arch_is_refused_naming_the_known_ones(fake_cc, caps
     assert rc == 2 and out == "" and err.count("\n") == 1, err
     assert f"argument --arch: arch {arch!r} is not supported" in err and "sm_90a, " in err and "gfx942, " in err
     assert fake_cc.compiles() == []
+
+
+# -- precompile says what it builds, and why ---------------------------------------------------------
+
+def _plan_lines(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith("  ")]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
+def test_precompile_without_arguments_says_what_it_builds_and_why(no_compilers, fake_cc, capsys):
+    rc, out, _ = run(capsys, "precompile")
+    assert rc == 0
+    tc = make_toolchain("sm_90a")
+    per_spec = Counter(s.name for s, _ in precompile_targets(tc, {}))
+    arch, kernels, *skipped = _plan_lines(out)
+    assert arch == f"  arch sm_90a: from the nvcc at {fake_cc.nvcc}, as no GPU is visible (--arch chooses another)"
+    assert kernels.startswith("  kernels: the configs each shipped spec names for precompiling, so that their first "
+                              "use loads them from the cache instead of compiling (")
+    assert ", ".join(f"{name} {k}" for name, k in sorted(per_spec.items())) in kernels
+    idle = sorted(s.name for s in all_specs() if s.name not in per_spec)
+    assert skipped == [f"  skipped {', '.join(idle)}: they have no default config: an op builds them for its own "
+                       f"(--ep KEY=VALUE ...)"]
+
+
+def test_precompile_without_nvshmem_reports_the_kernels_it_skips(fake_cc, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MORI_JIT_NVSHMEM_HOME", str(tmp_path / "no-nvshmem"))
+    rc, out, _ = run(capsys, "precompile", "--arch", "sm_90a")
+    assert rc == 0
+    linked = sorted(s.name for s in all_specs() if s.device_libraries)
+    built = precompile_targets(make_toolchain("sm_90a"), {})
+    assert linked and not {s.name for s, _ in built} & set(linked)
+    assert len([ln for ln in out.splitlines() if ln.startswith("[")]) == len(built)
+    (line,) = [ln for ln in _plan_lines(out) if ln.startswith(f"  skipped {', '.join(linked)}: ")]
+    assert "they link nvshmem, which is missing: nvshmem: MORI_JIT_NVSHMEM_HOME points at " in line
+    assert "pip install nvidia-nvshmem-cu13" in line
+    rc, out, _ = run(capsys, "precompile", "--arch", "gfx90a")  # (no device linking on AMD: said so)
+    assert f"  skipped {', '.join(linked)}: they link nvshmem, and device linking is built for NVIDIA arches " \
+           f"only" in out.splitlines()

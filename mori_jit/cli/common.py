@@ -6,9 +6,9 @@ import re
 import sys
 from typing import Sequence
 
-__all__ = ["PROG", "package_version", "CliError", "UsageError", "Terminated", "Parser", "positive_int", "arch_name", "parse_sets",
-           "resolve_arch", "arch_or_error", "toolchain_for", "spec_named", "spec_cfg", "ensure_headers", "warn_stale_headers", "fmt_s",
-           "compile_error_line", "error_line"]
+__all__ = ["PROG", "package_version", "CliError", "UsageError", "Terminated", "Parser", "positive_int", "arch_name",
+           "parse_sets", "resolve_arch", "toolchain_for", "toolchain_and_origin", "spec_named", "spec_cfg",
+           "ensure_headers", "warn_stale_headers", "fmt_s", "compile_error_line", "error_line"]
 
 PROG = "mori-jit"
 
@@ -104,21 +104,22 @@ def resolve_arch(arch: str | None, *, from_compiler: bool = False) -> tuple[str 
     return found, f"the {toolchain.COMPILER_NAME[toolchain.vendor_of(found)]} at {compiler}, as no GPU is visible"
 
 
-def arch_or_error(arch: str | None, *, from_compiler: bool = False) -> str:
-    resolved, why = resolve_arch(arch, from_compiler=from_compiler)
-    if resolved is None:
-        raise CliError(f"no arch: {why.rstrip('.')}; or pass --arch (e.g. --arch gfx90a, --arch sm_90a)")
-    return resolved
-
-
 def toolchain_for(arch: str | None, *, need_compiler: bool = True, from_compiler: bool = False):
     """The toolchain for ``--arch`` / MORI_JIT_ARCH / the device (/ the installed compiler).
 
     Rendering never runs the compiler, so ``render``/``describe`` work without one
     (``need_compiler=False`` gives a toolchain with an empty compiler and signature).
     """
+    return toolchain_and_origin(arch, need_compiler=need_compiler, from_compiler=from_compiler)[0]
+
+
+def toolchain_and_origin(arch: str | None, *, need_compiler: bool = True, from_compiler: bool = False):
+    """(:func:`toolchain_for`, where its arch came from, as :func:`resolve_arch` says)."""
     from ..jit.toolchain import make_toolchain
-    return make_toolchain(arch_or_error(arch, from_compiler=from_compiler), need_compiler=need_compiler)
+    resolved, why = resolve_arch(arch, from_compiler=from_compiler)
+    if resolved is None:
+        raise CliError(f"no arch: {why.rstrip('.')}; or pass --arch (e.g. --arch gfx90a, --arch sm_90a)")
+    return make_toolchain(resolved, need_compiler=need_compiler), why
 
 
 def spec_named(name: str):
