@@ -27,7 +27,8 @@ from .archs import ARCH_PATTERN, DEFAULT_ARCH, KNOWN_ARCHS, known_archs_text
 
 __all__ = ["Toolchain", "ToolchainError", "make_toolchain", "get_toolchain", "set_arch_override",
            "detect_arch", "has_bulk_copy", "vendor_of", "check_arch", "wave_size_for_arch", "ARCH_PATTERN",
-           "find_compiler", "compiler_default_arch", "COMPILER_NAME", "COMPILER_VAR", "INSTALL_HINT", "DEFAULT_ARCH"]
+           "find_compiler", "search_compiler", "compiler_default_arch", "COMPILER_NAME", "COMPILER_VAR",
+           "INSTALL_HINT", "DEFAULT_ARCH"]
 
 
 class ToolchainError(RuntimeError):
@@ -185,6 +186,11 @@ def find_compiler(vendor: str) -> str:
             # An explicit choice that does not work is an error, not a silent fallback to another compiler.
             raise ToolchainError(f"{COMPILER_VAR[vendor]}={explicit} is not an executable file")
         return os.path.abspath(explicit)
+    return search_compiler(vendor)
+
+
+def search_compiler(vendor: str) -> str:
+    """:func:`find_compiler` without the explicit variable: the first executable of the places searched."""
     tried = _candidates(vendor)
     for c in tried:
         if _is_executable(c):
