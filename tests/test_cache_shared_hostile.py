@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import types
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ import pytest
 from fake_compiler import output_for
 from mori_jit.cli import main
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg
-from mori_jit.jit import cache, cache_admin, compile as compile_mod
+from mori_jit.jit import cache, cache_admin, procs
 from mori_jit.jit.compile import CompileError, build, resolve
 from mori_jit.jit.toolchain import make_toolchain
 
@@ -90,9 +88,10 @@ def test_a_build_dir_swapped_for_a_link_mid_compile_writes_nothing_through_it(fa
         st = os.lstat(d)
         seen.update(uid=st.st_uid, mode=stat.S_IMODE(st.st_mode))
         _swap_for_link(d, project, tmp_path / "moved-away")
-        return subprocess.run(cmd, **kwargs)
+        return run(cmd, **kwargs)
 
-    monkeypatch.setattr(compile_mod, "subprocess", types.SimpleNamespace(run=run_after_swap))
+    run = procs.run  # (the compile runs its compiler through procs.run)
+    monkeypatch.setattr(procs, "run", run_after_swap)
     try:
         entry = build(AXPY, AxpyCfg(), make_toolchain(ARCH))
     finally:  # (checked first: a write through the link is the failure that matters)

@@ -75,7 +75,7 @@ def test_cfg_built_directly_beyond_the_cpp_int_is_not_rendered(fake_cc):
 def test_arch_with_a_trailing_newline_is_refused(fake_cc, capsys, verb):
     argv = [verb] + ([] if verb == "info" else ["example_axpy"]) + ["--arch", "sm_90a\n"]
     rc, _, err = _cli(capsys, *argv)
-    _one_line(rc, err, "arch 'sm_90a\\n' is not supported")
+    _one_line(rc, err, "argument --arch: arch 'sm_90a\\n' is not supported", status=2)  # (a bad option value)
     assert _cache_files() == []
 
 

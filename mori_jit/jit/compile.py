@@ -12,8 +12,8 @@ lock timeout the build proceeds anyway and the atomic publish keeps the cache co
 
 Exception contract: a failing compiler or device linker raises :class:`CompileError` (step, command,
 stderr, kept source path); a missing compiler raises :class:`~mori_jit.jit.toolchain.ToolchainError`,
-a missing device library its subclass :class:`~mori_jit.jit.devlib.DeviceLibraryError`; nothing
-here exits the interpreter.
+a missing device library its subclass :class:`~mori_jit.jit.devlib.DeviceLibraryError`; a compile
+that a stop killed raises :class:`~mori_jit.jit.procs.Stopped`; nothing here exits the interpreter.
 """
 from __future__ import annotations
 
@@ -23,15 +23,14 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import filelock
 
-from . import cache, cache_builds, knobs
+from . import cache, cache_builds, knobs, procs
 from .devlib import LinkInputs, link_inputs
 from .key import cache_key, include_hash
 from .log import apply_verbosity, level_for
@@ -112,10 +111,9 @@ def _run_step(res: Resolved, toolchain: Toolchain, cmd: list[str], out: str, bui
     """Run one compiler command in the build dir that must write ``out`` there; :class:`CompileError`
     if it does not."""
     _log(" ".join(cmd), 2)
-    try:
+    try:  # (procs.Stopped, when a stop kills it, propagates: a stopped compile is no failure)
         with build_dir.working_dir() as (cwd, fd):
-            p = subprocess.run(cmd, capture_output=True, text=True, env=toolchain.env(), cwd=cwd, pass_fds=(fd,))
-        rc, err = p.returncode, p.stderr + p.stdout
+            rc, err = procs.run(cmd, env=toolchain.env(), cwd=cwd, pass_fds=(fd,))
     except OSError as e:
         rc, err = -1, str(e)
     if rc != 0 or not build_dir.read(out):
@@ -219,10 +217,16 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
 def build_many(requests: Sequence[tuple[Spec, Any]], toolchain: Toolchain, jobs: int | None = None) -> list[cache.Entry]:
     """:func:`build` for each ``(spec, cfg)``, compiling misses in parallel threads (compilers are
     subprocesses, so threads suffice). Entries come back in request order; the first failure raises
-    after the other compiles have finished (so nothing is left half-written)."""
+    after the other compiles have finished (so nothing is left half-written). An interrupt stops
+    them instead (:func:`~mori_jit.jit.procs.halt`) and propagates."""
     if len(requests) <= 1:
         return [build(s, c, toolchain) for s, c in requests]
     workers = max(1, min(len(requests), jobs or os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(build, s, c, toolchain) for s, c in requests]
+        try:
+            wait(futures)
+        except BaseException:
+            procs.halt(futures)
+            raise
     return [f.result() for f in futures]

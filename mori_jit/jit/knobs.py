@@ -16,12 +16,13 @@ compiler signature, flags, NIC).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 __all__ = ["Setting", "StrSetting", "BoolSetting", "LevelSetting", "PositiveFloatSetting", "IntListSetting",
            "PathSetting", "FlagsSetting", "NameSetting", "PrefixSetting", "Group", "all_groups", "all_settings",
@@ -37,15 +38,19 @@ class Setting(Generic[T]):
     An unset or empty variable gives the default (a callable default is called then); a value that
     does not parse is a ``ValueError`` naming the variable, the value and what is allowed.
     ``aliases``: other names of the same variable (e.g. mori's own), read when ``var`` is unset.
+
+    ``default_doc`` says what the default is where the value alone does not (``~/.mori/jit``, or
+    a default the reader finds elsewhere, as the current device's arch); ``default_value`` finds
+    that value for ``mori-jit info`` (without reading this variable: it is the unset case).
     """
 
     #: the type's name in ``mori-jit info``
     type_name = "str"
 
     def __init__(self, var: str, default: Any, doc: str, *, default_doc: Optional[str] = None,
-                 aliases: tuple[str, ...] = ()):
+                 aliases: tuple[str, ...] = (), default_value: Optional[Callable[[], Any]] = None):
         self.var, self.default, self.doc, self.aliases = var, default, doc, tuple(aliases)
-        self._default_doc = default_doc
+        self._default_doc, self._default_value = default_doc, default_value
         self.attr = ""
 
     def __set_name__(self, owner: type, attr: str) -> None:
@@ -91,10 +96,22 @@ class Setting(Generic[T]):
         return " | ".join((self.var, *self.aliases))
 
     def default_text(self) -> str:
-        """The default as ``mori-jit info`` shows it."""
-        if self._default_doc is not None:
-            return self._default_doc
-        return "(none)" if self.default is None else str(self.default)
+        """The default as ``mori-jit info`` shows it: its value on this machine, then what it is where
+        the value alone does not say (``/home/me/.mori/jit (~/.mori/jit)``)."""
+        doc, find = self._default_doc, self._default_value or (self.default if callable(self.default) else None)
+        if find is None:
+            return doc or self._value_text(self.default)
+        try:
+            found = find()
+        except Exception as e:  # noqa: BLE001 - shown, not raised: info reports what this machine lacks
+            return f"{doc or '(none)'}: none here ({' '.join(str(e).split())})"
+        if found is None:
+            return f"{doc}: none here" if doc else "(none)"
+        value = self._value_text(found)
+        return f"{value} ({doc})" if doc and doc != value else value
+
+    def _value_text(self, value: Any) -> str:
+        return "(none)" if value is None else str(value)
 
     def matches(self, name: str) -> bool:
         """Whether the environment variable ``name`` is this setting's (or an alias)."""
@@ -159,8 +176,8 @@ class IntListSetting(Setting[tuple]):
             raise ValueError(f"{self.var}={text!r}: expected at least one integer, each >= 1")
         return out
 
-    def default_text(self) -> str:
-        return ",".join(map(str, self.default))
+    def _value_text(self, value: Any) -> str:
+        return ",".join(map(str, value))
 
 
 class PathSetting(Setting[Optional[Path]]):
@@ -238,13 +255,24 @@ class Group:
         return [v for k, v in vars(type(self)).items() if isinstance(v, Setting)]
 
 
+def _later(module: str, name: str, *args: Any) -> Callable[[], Any]:
+    """``module.name(*args)`` (``name`` may be dotted), called when needed: a default found outside its
+    declaration, for ``mori-jit info`` (imported then, as those modules read their settings here)."""
+    return lambda: functools.reduce(getattr, name.split("."), importlib.import_module(module, __package__))(*args)
+
+
 class CompilerKnobs(Group):
     """Which compiler builds for which arch, and what enters its command line."""
 
     name = "compiler"
-    arch = StrSetting("MORI_JIT_ARCH", None, "target arch (gfx90a, sm_90a, ...)", default_doc="the current device's")
-    hipcc = StrSetting("MORI_JIT_HIPCC", None, "the hipcc to use (a path, or a name on PATH)")
-    nvcc = StrSetting("MORI_JIT_NVCC", None, "the nvcc to use (a path, or a name on PATH)")
+    arch = StrSetting("MORI_JIT_ARCH", None, "target arch (gfx90a, sm_90a, ...)", default_doc="the current device's",
+                      default_value=_later(".toolchain", "detect_arch"))
+    hipcc = StrSetting("MORI_JIT_HIPCC", None, "the hipcc to use (a path, or a name on PATH)",
+                       default_doc="the first of $ROCM_PATH/bin, /opt/rocm/bin, PATH",
+                       default_value=_later(".toolchain", "search_compiler", "amd"))
+    nvcc = StrSetting("MORI_JIT_NVCC", None, "the nvcc to use (a path, or a name on PATH)",
+                      default_doc="the first of $CUDA_HOME/bin (else $CUDA_PATH/bin), /usr/local/cuda/bin, PATH",
+                      default_value=_later(".toolchain", "search_compiler", "nvidia"))
     rocm_path = StrSetting("ROCM_PATH", "/opt/rocm", "the ROCm install whose bin/hipcc is tried")
     cuda_home = StrSetting("CUDA_HOME", None, "the CUDA install whose bin/nvcc is tried")
     cuda_path = StrSetting("CUDA_PATH", None, "the CUDA install whose bin/nvcc is tried when CUDA_HOME is unset")
@@ -262,7 +290,8 @@ class SourceKnobs(Group):
 
     name = "source"
     root = PathSetting("MORI_JIT_SOURCE_ROOT", None, "a directory holding kernels/ and templates/",
-                       default_doc="the checkout, else the packaged copy", aliases=("MORI_SOURCE_ROOT",))
+                       default_doc="the checkout, else the packaged copy", aliases=("MORI_SOURCE_ROOT",),
+                       default_value=_later(".paths", "default_source_root"))
 
 
 class CacheKnobs(Group):
@@ -289,6 +318,9 @@ class LogKnobs(Group):
                                                   "compile commands, cache hits, and the CLI's tracebacks)")
 
 
+_NVSHMEM_PACKAGE = _later(".nvshmem", "NVSHMEM.package_home")
+
+
 class EngineKnobs(Group):
     """Where the device libraries (communication engines) that kernels are device-linked against live."""
 
@@ -296,10 +328,12 @@ class EngineKnobs(Group):
     nvshmem_home = PathSetting("MORI_JIT_NVSHMEM_HOME", None,
                                "the NVSHMEM install (include/, lib/libnvshmem_device.a) that kernels calling "
                                "NVSHMEM are device-linked against; wins over NVSHMEM_HOME",
-                               default_doc="NVSHMEM_HOME, else the installed nvidia-nvshmem-cu13 package")
+                               default_doc="NVSHMEM_HOME, else the installed nvidia-nvshmem-cu13 package",
+                               default_value=lambda: engine.nvshmem_home_fallback or _NVSHMEM_PACKAGE())
     nvshmem_home_fallback = PathSetting("NVSHMEM_HOME", None,
                                         "NVSHMEM's own install variable, used when MORI_JIT_NVSHMEM_HOME is unset",
-                                        default_doc="the installed nvidia-nvshmem-cu13 package")
+                                        default_doc="the installed nvidia-nvshmem-cu13 package",
+                                        default_value=_NVSHMEM_PACKAGE)
 
 
 compiler = CompilerKnobs()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from . import knobs
 
-__all__ = ["source_root", "source_root_origin", "kernels_dir", "templates_dir", "SourceRootError"]
+__all__ = ["source_root", "default_source_root", "source_root_origin", "kernels_dir", "templates_dir",
+           "SourceRootError"]
 
 _PKG = Path(__file__).resolve().parent.parent  # .../mori_jit
 
@@ -31,7 +32,7 @@ def source_root() -> Path:
         if not _is_root(env):
             raise SourceRootError(f"MORI_JIT_SOURCE_ROOT={env} does not hold kernels/ and templates/")
         return env.resolve()
-    return _default_root()
+    return default_source_root()
 
 
 def source_root_origin(root: Path) -> str:
@@ -43,7 +44,8 @@ def source_root_origin(root: Path) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _default_root() -> Path:
+def default_source_root() -> Path:
+    """The source root while ``MORI_SOURCE_ROOT`` is unset: the checkout, else the packaged copy."""
     for cand in (_PKG.parent, _PKG / "_sources"):
         if _is_root(cand):
             return cand
