@@ -35,6 +35,8 @@ __all__ = ["EpDispatchCombineOp"]
 
 _BACKENDS = {"hip": "mori_jit.ops.ep.backends.hip.backend:EpDispatchCombineOpHip",
              "torch": "mori_jit.ops.ep.backends.torch.backend:EpDispatchCombineOpTorch"}
+#: Router weights in a model's dtype: dispatch takes them and moves float32.
+_ROUTER_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _backend_class(name: str) -> type:
@@ -187,6 +189,12 @@ class EpDispatchCombineOp(abc.ABC):
             raise EpUnsupportedError(f"{type(self).__name__} has no combine input buffer")
         return k.combine_input_buffer()
 
+    @property
+    def latest_routing(self):
+        """The routing of this op's latest dispatch that was not a replay (None before the first): the
+        only one ``combine``, ``combine_expert_major`` and a replay accept."""
+        return self._routing
+
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
                  indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
@@ -217,7 +225,11 @@ class EpDispatchCombineOp(abc.ABC):
         valid, in arrival order; ``total_recv`` is a 1-element int32 device tensor (no host sync).
         Raises :class:`EpDeviceError` if an earlier call's kernel gave up; this call's own failure
         shows only in a later call or :meth:`check` (its outputs are then garbage).
+
+        ``weights`` may also be bf16/fp16 (a router in the model's dtype; moved as float32).
         """
+        if getattr(weights, "dtype", None) in _ROUTER_DTYPES:
+            weights = weights.float()
         k = self._live()
         if self._agree_per_call:
             n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, k, input,
