@@ -15,8 +15,27 @@ routing rule of the backward legs and the gradient dtypes: ``legs`` and docs/des
 """
 from __future__ import annotations
 
-from mori_jit.ops.ep.train.functional import TrainDispatch, combine, combine_expert_major, dispatch, register
-from mori_jit.ops.ep.train.packed import EpPackedLayout, combine_packed, pack, unpack
+import importlib
 
-__all__ = ["TrainDispatch", "register", "dispatch", "combine", "combine_expert_major", "EpPackedLayout", "pack",
-           "unpack", "combine_packed"]
+#: Each public name and the module that defines it. Importing this package imports neither torch
+#: nor the custom ops (the spec registry walks every package); a name loads its module on first use.
+_MODULE_OF = {**{name: ".functional" for name in ("TrainDispatch", "register", "dispatch", "combine",
+                                                   "combine_expert_major")},
+              **{name: ".packed" for name in ("EpPackedLayout", "pack", "unpack", "combine_packed", "rows_bound")}}
+
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    """Load a public name's module on first access (PEP 562)."""
+    try:
+        module = _MODULE_OF[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
