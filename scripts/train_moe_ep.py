@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.backend == "hip" and torch.cuda.device_count() < args.ws:
-        print(f"--backend hip needs {args.ws} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        print(f"train_moe_ep: needs {args.ws} GPUs for --backend hip, found {torch.cuda.device_count()}",
+              file=sys.stderr)
         return 2
     cfg = TinyConfig(layout=args.layout, seed=args.seed)
     start = time.monotonic()
