@@ -130,8 +130,9 @@ def forward_dispatch(entry: Entry, x, weights, scales, ids) -> tuple:
     if cfg.input_dtype.itemsize == 1:
         raise EpUnsupportedError(f"a differentiable dispatch of {cfg.input_dtype} rows: no gradient reaches a 1-byte "
                                  f"input; quantize in the op (quant_type) with a bf16 input instead")
-    with torch.no_grad():
-        res = op.dispatch(x, weights, scales, ids, return_result=True)
+    with torch.no_grad():  # (a compiled graph may hand over strided inputs: the op takes dense rows)
+        res = op.dispatch(x.contiguous(), None if weights is None else weights.contiguous(),
+                          None if scales is None else scales.contiguous(), ids.contiguous(), return_result=True)
         keep = row_mask(res.total_recv, cap)
         out = res.out
         if out.dtype != cfg.input_dtype:  # quantized on the way
@@ -201,7 +202,7 @@ def forward_combine_expert_major(entry: Entry, inp, ids, token, recv_row) -> tor
     p = _find(entry, token, "combine_expert_major", inp)
     with torch.no_grad():
         if p.same_order:
-            return p.op.combine_expert_major(inp, routing=p.routing)
+            return p.op.combine_expert_major(inp.contiguous(), routing=p.routing)
         cap, H = token.shape[0], inp.shape[-1]
         at = torch.where(recv_row >= 0, recv_row.long(), cap).reshape(-1)
         rows = torch.zeros((cap + 1, H), dtype=torch.float32, device=inp.device)
@@ -218,7 +219,7 @@ def rows_home(entry: Entry, token, ids, grad_rows, grad_weights) -> tuple:
         if p is None:  # no routing holds the tokens: send them again (zeros: nothing rides out)
             ex = exchange_op(entry)
             zeros = torch.zeros((ids.shape[0], ex.cfg.hidden_dim), dtype=ex.cfg.input_dtype, device=ids.device)
-            p, _ = _reroute(entry, token, ids, zeros, None)
+            p, _ = _reroute(entry, token, ids.contiguous(), zeros, None)
         ex = p.op
         if not p.same_order:
             at = order_map(token, p.src, _space(ex))
@@ -241,7 +242,7 @@ def rows_out(entry: Entry, token, ids, grad_y, grad_yw, num_rows: int) -> tuple:
         if p is not None and p.op is ex and ex.cfg.routing_replay:
             res = ex.dispatch(x, w, None, None, routing=p.routing, return_result=True)
         else:
-            p, res = _reroute(entry, token, ids, x, w)
+            p, res = _reroute(entry, token, ids.contiguous(), x, w)
         cap = ex.cfg.recv_capacity
         keep = row_mask(res.total_recv, cap)
         rows = _masked(res.out, keep, 0)
