@@ -15,17 +15,17 @@ EP = ROOT / "mori_jit" / "ops" / "ep"
 
 #: The layers of ``ops/ep``, highest first: a module may import its own layer or a lower one.
 #: ``top`` is the files directly in ``ops/ep``; a backend never imports another backend.
-LAYERS = ["backends.hip.top", "backends.hip.families", "backends.hip.common", "backends.torch", "core", "memory",
-          "top"]
+LAYERS = ["backends.hip.top", "backends.hip.families", "backends.hip.common", "backends.torch", "train", "core",
+          "memory", "top"]
 
 
 def _layer(module: str) -> str:
     """The layer of a dotted module path under ``mori_jit.ops.ep`` (``mori_jit.ops.ep`` excluded)."""
     parts = module.split(".")[3:]
+    if parts and parts[0] in ("core", "memory", "train"):  # (a folder's package module included)
+        return parts[0]
     if len(parts) <= 1:
         return "top"
-    if parts[0] in ("core", "memory"):
-        return parts[0]
     if parts[:2] == ["backends", "torch"]:
         return "backends.torch"
     if parts[0] == "backends" and len(parts) <= 2:  # the backends' package faces (docstrings only)

@@ -12,6 +12,9 @@ Map (each folder's ``__init__`` says more)::
                             Schedule (which geometry a call launches)
     memory/                 the symmetric arena and where its memory comes from: torch
                             symmetric memory, CUDA/HIP IPC, NVSHMEM; what ranks learn of each other
+    train/                  training and prefill: dispatch and combine differentiable, as
+                            torch.library custom ops (namespace mori_jit), the packed
+                            expert-sorted layout
     backends/torch/         the reference backend on torch.distributed collectives
     backends/hip/           the JIT kernels (AMD via hipcc, NVIDIA via nvcc)
       common/                 what both kernel families share (payload arithmetic, constants,
@@ -25,9 +28,10 @@ Import rule (one direction, checked by ``tests/test_layout.py``): a module impor
 own folder, from folders below it in this list, or from the top files of ``ops/ep``::
 
     backends/hip/{backend,variants,gaps}  →  backends/hip/{intranode,internode}  →  backends/hip/common
-    backends/*  →  core  →  memory  →  ops/ep top files  →  mori_jit.jit
+    backends/*  →  train  →  core  →  memory  →  ops/ep top files  →  mori_jit.jit
 
-``core`` names its backends by module path only (``core/op.py``'s ``_BACKENDS``), never by import.
+``core`` names its backends and ``train`` (whose hooks make the op's calls differentiable) by module
+path only (``core/op.py``'s ``_BACKENDS``, ``_TRAIN``), never by import.
 Golden checks live in :mod:`mori_jit.testing`, the worked MoE block in :mod:`mori_jit.examples`.
 
 Importing this package imports neither torch nor a backend: the spec registry walks it to find

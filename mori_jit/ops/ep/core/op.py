@@ -35,6 +35,14 @@ __all__ = ["EpDispatchCombineOp"]
 
 _BACKENDS = {"hip": "mori_jit.ops.ep.backends.hip.backend:EpDispatchCombineOpHip",
              "torch": "mori_jit.ops.ep.backends.torch.backend:EpDispatchCombineOpTorch"}
+#: The differentiable calls (an input requires grad), named by module path like the backends.
+_TRAIN = "mori_jit.ops.ep.train.hooks"
+#: Router weights in a model's dtype: dispatch takes them and moves float32.
+_ROUTER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _train():
+    return importlib.import_module(_TRAIN)
 
 
 def _backend_class(name: str) -> type:
@@ -189,6 +197,12 @@ class EpDispatchCombineOp(abc.ABC):
             raise EpUnsupportedError(f"{type(self).__name__} has no combine input buffer")
         return k.combine_input_buffer()
 
+    @property
+    def latest_routing(self):
+        """The routing of this op's latest dispatch that was not a replay (None before the first): the
+        only one ``combine``, ``combine_expert_major`` and a replay accept."""
+        return self._routing
+
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
                  indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
@@ -219,7 +233,16 @@ class EpDispatchCombineOp(abc.ABC):
         valid, in arrival order; ``total_recv`` is a 1-element int32 device tensor (no host sync).
         Raises :class:`EpDeviceError` if an earlier call's kernel gave up; this call's own failure
         shows only in a later call or :meth:`check` (its outputs are then garbage).
+
+        ``weights`` may also be bf16/fp16 (a router in the model's dtype; moved as float32). With grad
+        mode on and ``input`` or ``weights`` requiring grad, the call is differentiable
+        (:mod:`mori_jit.ops.ep.train`: fresh outputs, a backward that sends the gradients home).
         """
+        if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
+                and routing is None and torch.is_grad_enabled()):
+            return _train().dispatch(self, input, weights, scales, indices, return_routing, return_result)
+        if getattr(weights, "dtype", None) in _ROUTER_DTYPES:
+            weights = weights.float()
         k = self._live()
         if self._agree_per_call:
             n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, k, input,
@@ -253,7 +276,13 @@ class EpDispatchCombineOp(abc.ABC):
         even when it has no tokens of its own). Repeating a combine for the same dispatch is safe.
         Like :meth:`dispatch`, a combine whose kernel gave up returns garbage, reported by the next
         call or by :meth:`check` once the device has run it.
+
+        With grad mode on and ``input`` or ``weights`` requiring grad, the call is differentiable
+        (its dispatch must have been: :mod:`mori_jit.ops.ep.train`).
         """
+        if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
+                and torch.is_grad_enabled()):
+            return _train().combine(self, input, weights, routing, out, out_weights)
         k = self._live()
         if self._agree_per_call:
             n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, input, weights,
@@ -274,7 +303,10 @@ class EpDispatchCombineOp(abc.ABC):
 
         Returns ``out [n, hidden]`` (combine dtype), freshly allocated unless the caller passes it
         (written in place and returned). Collective: every rank calls it after the same dispatch.
+        Differentiable when grad mode is on and ``input`` requires grad (:mod:`mori_jit.ops.ep.train`).
         """
+        if getattr(input, "requires_grad", False) and torch.is_grad_enabled():
+            return _train().combine_expert_major(self, input, routing, out)
         k = self._live()
         if k.combine_expert_major is None:
             raise EpUnsupportedError(f"{type(self).__name__} has no expert-major combine")
