@@ -170,7 +170,7 @@ def _dtype_from_string(value: str):
 #: a string field's annotation, as text (postponed annotations) or as the type
 _STR_TYPES = ("str", "Optional[str]", str, Optional[str])
 #: the config's on/off fields, and the words that set them on the command line
-_FLAG_FIELDS = ("combine_low_latency", "expert_counts", "routing_replay")
+_FLAG_FIELDS = ("combine_low_latency", "expert_counts", "routing_replay", "split_send_recv")
 _FLAGS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
 
 
@@ -188,7 +188,7 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
     Keys are :class:`EpDispatchCombineConfig` fields (``rank`` defaults to 0) plus ``num_cus``;
     dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names, ``index_dtype``
     ``int32``/``int64``, and the on/off fields (``combine_low_latency``, ``expert_counts``,
-    ``routing_replay``) ``on``/``off`` (or true/false, 1/0).
+    ``routing_replay``, ``split_send_recv``) ``on``/``off`` (or true/false, 1/0).
     """
     fields = {f.name: f for f in dataclasses.fields(EpDispatchCombineConfig)}
     kwargs: dict = {"rank": 0}
