@@ -93,9 +93,9 @@ def combine_split(op, hook: bool, inp, weights, routing, out=None, out_weights=N
         (y, y_w), receive = op.combine_send(inp, weights=weights, routing=routing, out=out,
                                             out_weights=out_weights), op.combine_recv
     assert (out is None or y is out) and (out_weights is None or y_w is out_weights)
-    if op.arena is None:
+    if out is None:  # (stream order: after the send, which never writes them, before the receive)
         for t in (y, y_w):
-            if t is not None and out is None:
+            if t is not None:
                 t.fill_(float("nan"))
     receive()
     return y, y_w

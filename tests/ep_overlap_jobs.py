@@ -117,8 +117,9 @@ def micro_batches_job(rank, ws, backend, schedule):
 
     gen = torch.Generator().manual_seed(7 + rank)
     with EpDispatchCombineOp(config(rank, ws, backend)) as a, EpDispatchCombineOp(config(rank, ws, backend)) as b:
-        if a.arena is not None:  # one arena per op, the same size (docs/design.md §7)
-            assert a.arena.tensor.nbytes == b.arena.tensor.nbytes == sum(a.arena.sizes.values()) > 0
+        if a.arena is not None:  # one arena per op, each the whole layout (docs/design.md §7)
+            from mori_jit.ops.ep.memory.arena import layout
+            assert a.arena.tensor.nbytes == b.arena.tensor.nbytes == layout(a.arena.sizes)[1] > 0
         for step in range(3):
             batches = [(op, inputs(op, rank, ws, gen, n=(M_of(op) - 3 * i - step) % (M_of(op) + 1)))
                        for i, op in enumerate((a, b))]

@@ -161,3 +161,19 @@ def test_send_kernels_signal_and_wait_for_no_peer_rows(tmp_path, low):
             assert s["done"] == 0 and r["done"] == w["done"] > 0, (w, s, r)
             assert s["outputs"] == 0 and r["outputs"] == w["outputs"] > 0, (w, s, r)
             assert (s["pushes"] > 0) if low else (s["flags"] == w["flags"] > 0 and r["flags"] == 0), (w, s, r)
+
+
+@pytest.mark.parametrize("m", [128, 4096])
+def test_two_micro_batch_ops_cost_the_arena_of_one_op_of_the_whole_batch(m):
+    """One op per micro-batch (docs/design.md §7, "Two micro-batches in flight"): an arena's receive
+    side grows with max_num_inp_token_per_rank, so two ops of half the batch each hold what one op
+    of the whole batch holds, but for the fixed words (counters, flags, stamps) and alignment."""
+    from mori_jit.ops.ep.memory.arena import layout
+
+    def arena_bytes(tokens):
+        cfg = _cfg(world_size=8, max_num_inp_token_per_rank=tokens, split_send_recv=True)
+        return layout(ep_variants(cfg, "sm_90a", 132).region_bytes())[1]
+
+    whole, half = arena_bytes(m), arena_bytes(m // 2)
+    assert 0 <= 2 * half - whole < 64 * 1024, (whole, half)
+    assert whole > 8 * m * 7168 * 2  # (the receive rows alone: world_size * M rows of 7168 bf16)
