@@ -165,7 +165,7 @@ def test_send_kernels_signal_and_wait_for_no_peer_rows(tmp_path, low):
 
 @pytest.mark.parametrize("m", [128, 4096])
 def test_two_micro_batch_ops_cost_the_arena_of_one_op_of_the_whole_batch(m):
-    """One op per micro-batch (docs/design.md §7, "Two micro-batches in flight"): an arena's receive
+    """One op per micro-batch (docs/design.md §6, "Send and receive"): an arena's receive
     side grows with max_num_inp_token_per_rank, so two ops of half the batch each hold what one op
     of the whole batch holds, but for the fixed words (counters, flags, stamps) and alignment."""
     from mori_jit.ops.ep.memory.arena import layout

@@ -64,16 +64,16 @@ class SplitLegs:
                                      f"EpDispatchCombineConfig.{FIELD}=True (every rank)")
         return k
 
-    def _begin(self, leg: str, receive: Callable[[], None]) -> InFlight:
-        self._in_flight = f = InFlight(leg, receive)
-        return f
+    def _begin(self, leg: str, receive: Callable[[], None]) -> None:
+        self._in_flight = InFlight(leg, receive)
 
     def _receive(self, leg: str, ticket: Optional[InFlight]) -> None:
         """Run the receive of ``leg``'s send (``ticket``: a hook's send; None: whichever is in flight)."""
         f = self._in_flight
         if f is None or f.leg != leg or (ticket is not None and ticket is not f):
             if ticket is not None:
-                raise EpStateError(f"{leg} hook: its {leg}_send has already been received (a hook receives once)")
+                raise EpStateError(f"{leg} hook: its {leg}_send has already been received (a hook receives once) "
+                                   f"or ended by reset()")
             other = f" (a {f.leg}_send is: call {f.leg}_recv())" if f is not None else ""
             raise EpStateError(f"{leg}_recv: no {leg}_send is in flight on this op{other}; a receive follows its send")
         self._live()  # (an earlier call's device error: raised before this receive launches)
