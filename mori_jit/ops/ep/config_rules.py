@@ -69,6 +69,8 @@ def check_config(cfg) -> None:
         raise EpConfigError(f"EpDispatchCombineConfig.internode_kernel={cfg.internode_kernel!r}: allowed "
                          f"{INTERNODE_KERNELS}")
     _int("internode_auto_ll_max_tokens", cfg.internode_auto_ll_max_tokens, 1)
+    if not _is_bool(cfg.split_send_recv):
+        raise EpConfigError(f"EpDispatchCombineConfig.split_send_recv={cfg.split_send_recv!r}: expected True or False")
     if cfg.kernel_backend is not None and cfg.kernel_backend not in BACKENDS:
         raise EpConfigError(f"EpDispatchCombineConfig.kernel_backend={cfg.kernel_backend!r}: allowed {BACKENDS}")
     if cfg.schedule is not None:

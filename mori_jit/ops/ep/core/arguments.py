@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mori_jit.ops.ep.contract import ROW_ALIGN
-from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpPeerError, EpUnsupportedError
+from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpPeerError, EpStateError, EpUnsupportedError
 
 __all__ = ["ROW_ALIGN", "expect_tensor", "expect_latest_routing", "byte_span", "refuse_overlaps", "EpPeerError",
            "agree_on_arguments"]
@@ -80,12 +80,13 @@ def agree_on_arguments(group, leg: str, weights_given: bool, check: Callable[...
     """``check(*args)`` on every rank, then one small collective before any rank enters the
     leg's own: a rank whose arguments were refused raises its error, and every peer raises
     :class:`EpPeerError` naming it, instead of waiting in an exchange the refused rank never
-    joins; ranks that disagree on passing weights all raise ValueError. For backends whose
+    joins (a refusal is a bad argument, or :class:`EpStateError`: a call out of step with the op's
+    in-flight leg); ranks that disagree on passing weights all raise ValueError. For backends whose
     legs are host-side collectives (the ``torch`` backend); the ``hip`` backend's kernels
     report a missing peer themselves (a timeout, :class:`EpDeviceError`)."""
     try:
         n, refusal = check(*args), None
-    except (TypeError, ValueError, NotImplementedError) as e:  # (EpUnsupportedError is one)
+    except (TypeError, ValueError, NotImplementedError, EpStateError) as e:  # (EpUnsupportedError is one)
         n, refusal = -1, e
     facts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(facts, (None if refusal is None else f"{type(refusal).__name__}: {refusal}",

@@ -25,6 +25,7 @@ from mori_jit.ops.ep.core.arguments import agree_on_arguments, byte_span
 from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
 from mori_jit.ops.ep.core.kernel_set import KernelSet
 from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
+from mori_jit.ops.ep.core.overlap import SplitLegs, refuse_in_flight_then
 from mori_jit.ops.ep.results import EpDispatchResult
 from mori_jit.ops.ep.memory.peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
 from mori_jit.ops.ep.errors import EpConfigError, jit_errors_as_ep_errors, EpArgumentError, EpArgumentTypeError, EpDeviceError, EpPeerError, EpStateError, EpUnsupportedError
@@ -50,10 +51,11 @@ def _backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-class EpDispatchCombineOp(abc.ABC):
+class EpDispatchCombineOp(SplitLegs, abc.ABC):
     """Expert-parallel dispatch/combine over ``group`` (None = WORLD). Collective to construct.
 
-    Use as a context manager or call :meth:`close` to release the arena.
+    Use as a context manager or call :meth:`close` to release the arena. Each leg also runs as a
+    send and a receive (:class:`~mori_jit.ops.ep.core.overlap.SplitLegs`).
     """
 
     def __new__(cls, cfg: EpDispatchCombineConfig, group=None):
@@ -181,6 +183,7 @@ class EpDispatchCombineOp(abc.ABC):
         if self._closed:
             raise EpStateError("EpDispatchCombineOp is closed")
         self._kernels.reset()
+        self._in_flight = None  # (a send's receive is moot once the counters are cleared)
 
     def get_combine_input_buffer(self) -> torch.Tensor:
         """A ``[recv_capacity, hidden]`` buffer (combine dtype) an expert may write into: the same
@@ -206,7 +209,7 @@ class EpDispatchCombineOp(abc.ABC):
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
                  indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
-                 return_result: bool = False):
+                 return_result: bool = False, return_recv_hook: bool = False):
         """Send each token to the ranks of its top-k experts (once per distinct rank).
 
         Args:
@@ -227,6 +230,9 @@ class EpDispatchCombineOp(abc.ABC):
             return_result: return an :class:`~mori_jit.ops.ep.results.EpDispatchResult` (every
                 output by name, with the expert counts and the expert-major layout the config asks
                 for) instead of the tuple.
+            return_recv_hook: run only the send (:meth:`dispatch_send`) and return its outputs
+                followed by a ``hook`` that receives (:meth:`dispatch_recv`): the tuple with the
+                hook appended, or ``(result, hook)`` with ``return_result``.
 
         Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
         ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
@@ -238,6 +244,10 @@ class EpDispatchCombineOp(abc.ABC):
         mode on and ``input`` or ``weights`` requiring grad, the call is differentiable
         (:mod:`mori_jit.ops.ep.train`: fresh outputs, a backward that sends the gradients home).
         """
+        if return_recv_hook:
+            return self._with_hook("dispatch", self.dispatch_send(input, weights, scales, indices, routing=routing,
+                                                                  return_routing=return_routing,
+                                                                  return_result=return_result))
         if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
                 and routing is None and torch.is_grad_enabled()):
             return _train().dispatch(self, input, weights, scales, indices, return_routing, return_result)
@@ -259,12 +269,14 @@ class EpDispatchCombineOp(abc.ABC):
         return res[:6] if return_routing else res[:5]
 
     def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing) -> int:
-        """Raise TypeError/ValueError naming a bad argument; return the token count."""
+        """Raise TypeError/ValueError naming a bad argument (EpStateError while a leg is in flight);
+        return the token count."""
+        self._refuse_in_flight()
         return check_dispatch_args(self, k, input, weights, scales, indices, routing)
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
                 indices: Optional[torch.Tensor] = None, *, routing, out: Optional[torch.Tensor] = None,
-                out_weights: Optional[torch.Tensor] = None):
+                out_weights: Optional[torch.Tensor] = None, return_recv_hook: bool = False):
         """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
 
         ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
@@ -275,11 +287,15 @@ class EpDispatchCombineOp(abc.ABC):
         rank passes ``weights`` or none does (a rank sends its rows' weights to their home ranks
         even when it has no tokens of its own). Repeating a combine for the same dispatch is safe.
         Like :meth:`dispatch`, a combine whose kernel gave up returns garbage, reported by the next
-        call or by :meth:`check` once the device has run it.
+        call or by :meth:`check` once the device has run it. ``return_recv_hook``: run only the send
+        (:meth:`combine_send`) and return ``(out, out_weights, hook)``, the hook receiving.
 
         With grad mode on and ``input`` or ``weights`` requiring grad, the call is differentiable
         (its dispatch must have been: :mod:`mori_jit.ops.ep.train`).
         """
+        if return_recv_hook:
+            return self._with_hook("combine", self.combine_send(input, weights, indices, routing=routing, out=out,
+                                                                out_weights=out_weights))
         if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
                 and torch.is_grad_enabled()):
             return _train().combine(self, input, weights, routing, out, out_weights)
@@ -310,11 +326,13 @@ class EpDispatchCombineOp(abc.ABC):
         k = self._live()
         if k.combine_expert_major is None:
             raise EpUnsupportedError(f"{type(self).__name__} has no expert-major combine")
-        check = check_expert_major_input
+        check = refuse_in_flight_then(self, check_expert_major_input)
         args = (self.cfg, input, routing, self._routing, out, self.device, self._arena_span)
         n = agree_on_arguments(self.group, "combine", False, check, *args) if self._agree_per_call else check(*args)
         return k.combine_expert_major(self._pick(n), input, routing, out)
 
     def _check_combine(self, input, weights, routing, out, out_weights) -> int:
-        """Raise TypeError/ValueError naming a bad argument; return the token count."""
+        """Raise TypeError/ValueError naming a bad argument (EpStateError while a leg is in flight);
+        return the token count."""
+        self._refuse_in_flight()
         return check_combine_args(self, input, weights, routing, out, out_weights)

@@ -13,7 +13,7 @@ import torch
 
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg, region_bytes
+from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpIsValid, EpPhase, EpRangeTok, make_ep_cfg, region_bytes
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.gaps import hip_gaps
 from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus
@@ -48,14 +48,26 @@ class EpVariants:
     #: per bucket, the combine of ``combine_expert_major`` (the expert layout only): the combine's
     #: EpCfg moving float32 rows (the local sums), so the result is rounded once
     expert_combine: tuple[EpCfg, ...] = ()
+    #: the split legs (``split_send_recv``): each bucket's dispatch and combine also run in halves
+    split: bool = False
+
+    def half(self, kind: str, phase: EpPhase) -> tuple[EpCfg, ...]:
+        """Per bucket, the ``kind`` leg's EpCfg for one half of the split legs (the whole leg's
+        EpCfg, but for its phase); empty without them."""
+        if not self.split:
+            return ()
+        return tuple(dataclasses.replace(c, phase=phase) for c in (self.dispatch if kind == DISPATCH else self.combine))
 
     def all_cfgs(self) -> list[tuple[str, EpCfg]]:
         """Distinct (kind, cfg) pairs — the set of binaries to compile (a dispatch with the
-        expert-major layout brings its layout kernel, and the combine its local sum)."""
+        expert-major layout brings its layout kernel, the combine its local sum, and the split legs
+        each leg's send and receive kernels)."""
+        halves = [(kind, c) for kind in (DISPATCH, COMBINE) for phase in (EpPhase.Send, EpPhase.Recv)
+                  for c in self.half(kind, phase)]
         out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine]
                             + [(LAYOUT, c) for c in self.dispatch if c.expertCapacity]
                             + [(EXPERT_SUM, c) for c in self.combine if self.expert_combine]
-                            + [(COMBINE, c) for c in self.expert_combine])
+                            + [(COMBINE, c) for c in self.expert_combine] + halves)
         return list(out)
 
     def region_bytes(self) -> dict[str, int]:
@@ -140,7 +152,8 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
             raise EpConfigError(f"combine lowLatency={c.lowLatency} from MORI_EP_CFG_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")
     expert = tuple(dataclasses.replace(c, dtype=EpDType.Fp32) for c in comb) if cfg.expert_capacity else ()
-    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb, expert)
+    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb, expert,
+                      cfg.split_send_recv)
 
 
 def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
@@ -170,7 +183,7 @@ def _dtype_from_string(value: str):
 #: a string field's annotation, as text (postponed annotations) or as the type
 _STR_TYPES = ("str", "Optional[str]", str, Optional[str])
 #: the config's on/off fields, and the words that set them on the command line
-_FLAG_FIELDS = ("combine_low_latency", "expert_counts", "routing_replay")
+_FLAG_FIELDS = ("combine_low_latency", "expert_counts", "routing_replay", "split_send_recv")
 _FLAGS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
 
 
@@ -188,7 +201,7 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
     Keys are :class:`EpDispatchCombineConfig` fields (``rank`` defaults to 0) plus ``num_cus``;
     dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names, ``index_dtype``
     ``int32``/``int64``, and the on/off fields (``combine_low_latency``, ``expert_counts``,
-    ``routing_replay``) ``on``/``off`` (or true/false, 1/0).
+    ``routing_replay``, ``split_send_recv``) ``on``/``off`` (or true/false, 1/0).
     """
     fields = {f.name: f for f in dataclasses.fields(EpDispatchCombineConfig)}
     kwargs: dict = {"rank": 0}

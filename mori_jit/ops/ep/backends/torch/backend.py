@@ -3,7 +3,8 @@
 The parity oracle and the baseline users would otherwise write. Runs on any process group (NCCL,
 RCCL, gloo on CPU). It syncs the host (token counts) and cannot be captured in a graph. It is the
 reference of every MoE feature (docs/design.md §6): per-token scales, ``quant_type``, int64 ids,
-local expert counts, the expert-major layout and its combine, and routing replay.
+local expert counts, the expert-major layout and its combine, and routing replay; and each leg
+as a send and a receive (``split``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
 from mori_jit.ops.ep.quant import quant_spec, quantize
 from mori_jit.ops.ep.backends.torch.reference import reference_combine, reference_dispatch
 from mori_jit.ops.ep.backends.torch.reference_moe import TorchMoeRouting, expert_layout, expert_map, expert_rows_sum, reference_replay
+from mori_jit.ops.ep.backends.torch.split import empty_moe_outputs, fill_moe_outputs, post_combine, post_dispatch, post_replay
 from mori_jit.ops.ep.errors import EpCapacityError
 
 __all__ = ["EpDispatchCombineOpTorch"]
@@ -53,15 +55,20 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
                 layout = expert_layout(m, out, out_s, out_w, routing.recv_src, routing.total_recv)
             return m.counts, layout
 
+        def leg_args(x, weights, scales, indices):
+            w = weights if weights is not None else torch.zeros(indices.shape, dtype=torch.float32, device=x.device)
+            return (group, cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
+                    x, w, scales, indices, cfg.recv_capacity)
+
+        def experts_of(out_idx, total):  # (raises EpCapacityError on overflow, after the exchange)
+            if not cfg.expert_counts:
+                return None
+            return expert_map(out_idx, total, cfg.rank, cfg.num_experts_per_rank, cfg.expert_capacity)
+
         def dispatch(_v, x, weights, scales, indices):
             x, scales = payload(x, scales)
-            w = weights if weights is not None else torch.zeros(indices.shape, dtype=torch.float32, device=x.device)
-            out, out_w, out_s, out_idx, total, base = reference_dispatch(
-                group, cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
-                x, w, scales, indices, cfg.recv_capacity)
-            experts = None
-            if cfg.expert_counts:  # (raises EpCapacityError on overflow, after the exchange)
-                experts = expert_map(out_idx, base.total_recv, cfg.rank, cfg.num_experts_per_rank, cfg.expert_capacity)
+            out, out_w, out_s, out_idx, total, base = reference_dispatch(*leg_args(x, weights, scales, indices))
+            experts = experts_of(out_idx, base.total_recv)
             routing = TorchMoeRouting(**vars(base), out_indices=out_idx, experts=experts,
                                       recv_capacity=cfg.recv_capacity)
             out_w = out_w if weights is not None else None
@@ -88,6 +95,34 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             y, _ = reference_combine(group, routing, rows, None, cfg.combine_dtype)
             return out.copy_(y) if out is not None else y
 
+        def dispatch_send(_v, x, weights, scales, indices, routing):
+            # the legs above as a send that posts the payload exchange and a receive that unpacks it
+            x, scales = payload(x, scales)
+            fresh = routing is None  # (a replay keeps its dispatch's expert map)
+            if not fresh:
+                (out, out_w, out_s), receive = post_replay(group, routing, x, weights, scales)
+                total = torch.tensor([routing.total_recv], dtype=torch.int32, device=x.device)
+                outputs = (out, out_w, out_s, routing.out_indices, total, routing)
+            else:
+                (out, out_w, out_s, out_idx, total, base), receive = post_dispatch(*leg_args(x, weights, scales,
+                                                                                            indices))
+                routing = TorchMoeRouting(**vars(base), out_indices=out_idx, recv_capacity=cfg.recv_capacity)
+                out_w = out_w if weights is not None else None
+                outputs = (out, out_w, out_s, out_idx, total, routing)
+            moe = empty_moe_outputs(cfg, out, out_w, out_s)
+
+            def finish():
+                receive()
+                if fresh:
+                    routing.experts = experts_of(routing.out_indices, routing.total_recv)
+                fill_moe_outputs(moe, moe_outputs(routing, out, out_w, out_s))
+
+            return (*outputs, moe), finish
+
+        def combine_send(_v, inp, weights, routing, out, out_w):
+            return post_combine(group, routing, inp, weights, cfg.combine_dtype, out, out_w)
+
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
                          capabilities=frozenset({"scales", "gloo", "nccl", "host_collectives"}),
-                         replay=replay, combine_expert_major=combine_expert_major)
+                         replay=replay, combine_expert_major=combine_expert_major, dispatch_send=dispatch_send,
+                         combine_send=combine_send)
