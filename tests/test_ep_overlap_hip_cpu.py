@@ -77,7 +77,7 @@ def test_the_phase_is_chosen_by_the_call_never_by_an_override(monkeypatch):
     monkeypatch.setenv("MORI_EP_CFG_COMBINE_PHASE", "Send")
     with pytest.raises(ConfigError, match=r"MORI_EP_CFG_\*PHASE: the phase is chosen by the op's call"):
         ep_variants(_cfg(), "sm_90a", 132)
-    with pytest.raises(ConfigError, match="not a EpPhase"):
+    with pytest.raises(ConfigError, match="not an EpPhase; allowed: Whole, Send, Recv"):
         make_ep_cfg(DISPATCH, "sm_90a", {"phase": "Both"})
 
 
