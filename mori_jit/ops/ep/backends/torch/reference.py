@@ -69,11 +69,16 @@ def _row_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _from_row_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     """Inverse of :func:`_row_bytes`: reinterpret ``[rows, cols * elsize]`` bytes as ``dtype``."""
-    # .contiguous() because b is usually a column slice of a packed buffer, and a dtype view
-    # needs a dense last dimension and aligned row strides.
     if b.numel() == 0:
         return torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
-    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+    # A dtype view needs dense rows, and a storage offset and row stride that are multiples of the
+    # element size. ``b`` is usually a column slice of a packed buffer: its rows are not dense, and
+    # a single row (which torch calls contiguous) keeps the packed row's stride and starts where the
+    # fields before it end (an int64 column after the 4-byte source id starts at offset 4). A fresh
+    # dense copy (offset 0) is viewable; a tensor that already is one is viewed as it is.
+    if b.stride() != (b.shape[1], 1) or b.storage_offset() % dtype.itemsize:
+        b = b.clone(memory_format=torch.contiguous_format)
+    return b.view(dtype).reshape(b.shape[0], cols)
 
 
 def _pack_rows(fields: list[torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
