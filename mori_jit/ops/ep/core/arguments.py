@@ -62,8 +62,10 @@ def byte_span(t: Optional[torch.Tensor]) -> tuple[int, int]:
 
 def refuse_overlaps(outputs: tuple, inputs: tuple, region: tuple[str, tuple[int, int]]) -> None:
     """Raise ValueError naming the first output (``(name, tensor | None)``) whose bytes overlap an
-    input's (same form) or ``region`` (``(name, byte span)``). Empty ranges overlap nothing; touching
-    ranges do not overlap. Inlined int compares: it runs on every ``combine(out=)`` call."""
+    input's (same form), ``region`` (``(name, byte span)``) or an output named before it (each
+    output is written whole, so a shared byte holds whichever write lands last). Empty ranges
+    overlap nothing; touching ranges do not overlap. Inlined int compares: it runs on every
+    ``combine(out=)`` call."""
     spans = [(name, start, start + t.nbytes) for name, t in inputs if t is not None for start in (t.data_ptr(),)]
     spans.append((region[0], *region[1]))
     for name, t in outputs:
@@ -74,6 +76,7 @@ def refuse_overlaps(outputs: tuple, inputs: tuple, region: tuple[str, tuple[int,
         for what, s, e in spans:
             if a < e and s < b and a < b and s < e:
                 raise EpArgumentError(f"{name}: overlaps {what}; pass a separate tensor")
+        spans.append((name, a, b))
 
 
 def agree_on_arguments(group, leg: str, weights_given: bool, check: Callable[..., int], *args) -> int:
