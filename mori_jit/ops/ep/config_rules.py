@@ -83,7 +83,6 @@ def check_config(cfg) -> None:
     if moe_errors:
         raise EpConfigError("; ".join(f"EpDispatchCombineConfig.{e}" for e in moe_errors))
     _check_kernel_rules(cfg)
-    _check_kernel_rules(cfg)
 
 
 def _int(name: str, value: Any, lo: int = 0) -> None:
@@ -124,12 +123,15 @@ def _moe_field_errors(cfg) -> list[str]:
 
 def _check_kernel_rules(cfg) -> None:
     """The rules of the data the kernels move, applied by every backend (a config one backend takes,
-    all take): each count fits the kernels' C++ int, a token row is whole vectors of ``ROW_ALIGN``
-    bytes on both legs, and top-k picks that many distinct experts."""
+    all take): each count, and each product of counts the kernels compute, fits the kernels' C++
+    int, a token row is whole vectors of ``ROW_ALIGN`` bytes on both legs, and top-k picks that
+    many distinct experts."""
     hi = CPP_INT_RANGE[1]
     for f in ("world_size", "hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank",
-              "num_experts_per_token", "max_total_recv_tokens", "scale_dim", "scale_type_size", "expert_capacity"):
-        if getattr(cfg, f) > hi:
+              "num_experts_per_token", "max_total_recv_tokens", "scale_dim", "scale_type_size", "expert_capacity",
+              "gpu_per_node", "internode_auto_ll_max_tokens", "dispatch_block_num", "combine_block_num",
+              "warp_num_per_block", "combine_warp_num_per_block"):
+        if (getattr(cfg, f) or 0) > hi:
             raise EpConfigError(f"EpDispatchCombineConfig.{f}={getattr(cfg, f)}: above {hi}, the largest C++ int "
                                 f"the kernels take")
     for leg, dtype in (("dispatch", cfg.dispatch_dtype), ("combine", cfg.combine_dtype)):
@@ -138,7 +140,33 @@ def _check_kernel_rules(cfg) -> None:
             raise EpConfigError(f"EpDispatchCombineConfig.hidden_dim={cfg.hidden_dim}: a {leg} row of {dtype} is "
                                 f"{row} bytes, not a multiple of {ROW_ALIGN} (rows move as {ROW_ALIGN}-byte "
                                 f"vectors); use a hidden_dim that makes it one")
+    _check_products(cfg, hi)
     if cfg.num_experts_per_token > cfg.num_experts:
         raise EpConfigError(f"EpDispatchCombineConfig.num_experts_per_token={cfg.num_experts_per_token}: more than the "
                          f"{cfg.num_experts} experts (num_experts_per_rank={cfg.num_experts_per_rank} x "
                          f"world_size={cfg.world_size}); top-k picks distinct experts")
+
+
+def _check_products(cfg, hi: int) -> None:
+    """Each product of fields that a kernel computes in a C++ int (a constexpr of the generated
+    headers, or an index) must fit one: beyond it the constexpr is no constant (nvcc: "expression
+    must have a constant value") or the value wraps (num_experts_per_rank=2**30 at 2 ranks makes
+    the expert count INT_MIN, and every id is dropped). Byte offsets into the buffers are 64-bit
+    (``size_t``) in the kernels, so the buffers' sizes are not bounded here."""
+    E, ws, M, k = cfg.num_experts_per_rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_token
+    recv = "max_total_recv_tokens" if cfg.max_total_recv_tokens else "(world_size*max_num_inp_token_per_rank)"
+    products = [
+        ("num_experts_per_rank*world_size", E * ws, "experts in all: the range of the expert ids"),
+        ("world_size*max_num_inp_token_per_rank", ws * M, "the receive capacity and the source ids rank*M + token"),
+        (f"world_size*{recv}", ws * cfg.recv_capacity, "the flat receive index rank*capacity + row"),
+        (f"{recv}*num_experts_per_token", cfg.recv_capacity * k, "the received (row, top-k slot) pairs"),
+        *[(f"hidden_dim*{dtype.itemsize}", cfg.hidden_dim * dtype.itemsize, f"the bytes of a {leg} row of {dtype}")
+          for leg, dtype in (("dispatch", cfg.dispatch_dtype), ("combine", cfg.combine_dtype))],
+        ("scale_dim*scale_type_size", cfg.scale_dim * cfg.scale_type_size, "the bytes of a token's scales"),
+        ("3*num_experts_per_rank*expert_capacity", 3 * E * cfg.expert_capacity,
+         "the expert-major layout's three int32 maps, addressed from one pointer"),
+    ]
+    for expr, value, what in products:
+        if value > hi:
+            raise EpConfigError(f"EpDispatchCombineConfig: {expr} = {value} ({what}) is above {hi}, the largest C++ "
+                                f"int the kernels compute it in; lower one of those fields")
