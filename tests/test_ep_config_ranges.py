@@ -1,5 +1,7 @@
 """Config values the op refused late, or not at all: every product of fields that a kernel computes
-in a C++ int is range-checked at construction (naming the fields and the value)."""
+in a C++ int is range-checked at construction (naming the fields and the value), and a
+``quant_type`` or ``schedule`` of the wrong shape is an ``EpConfigError`` naming the field, the
+value and what is allowed, never a TypeError or an IndexError later."""
 from __future__ import annotations
 
 import pytest
@@ -58,3 +60,39 @@ def test_precompile_refuses_the_wrapped_expert_count(fake_cc, capsys):
                "max_num_inp_token_per_rank=64", f"num_experts_per_rank={2**30}", "num_experts_per_token=2"])
     err = capsys.readouterr().err
     assert rc == 1 and "num_experts_per_rank*world_size = 2147483648" in err, err
+
+
+@pytest.mark.parametrize("value", [["fp8_e4m3_block128"], [], {"fp8_e4m3_block128": 1}, 128, b"none"])
+def test_quant_type_of_the_wrong_type_names_the_field(value):
+    with pytest.raises(EpConfigError, match=r"quant_type=.*: expected None or a name: allowed None, 'none', "
+                                            r"'fp8_e4m3_block128'"):
+        EpDispatchCombineConfig(**BASE, quant_type=value)
+
+
+_EDGES = "max_tokens ascending and None in the last bucket only"
+
+
+@pytest.mark.parametrize("value,match", [
+    ([None], r"schedule bucket None: expected \(max_tokens \| None, dispatch_blocks"),
+    ([], r"schedule=\[\]: expected a non-empty list of buckets"),
+    ((), r"schedule=\(\): expected a non-empty list"),
+    ({}, r"schedule=\{\}: expected a non-empty list"),
+    (7, "schedule=7: expected a non-empty list"),
+    ("abc", "schedule='abc': expected a non-empty list"),
+    ([(None, 1, 1, 1)], r"schedule bucket \(None, 1, 1, 1\): expected"),
+    ([(None, 1, 1, 1, True)], r"schedule bucket \(None, 1, 1, 1, True\): expected .*ints >= 1"),
+    ([(None, 1, 1, 0, 1)], r"schedule bucket .*ints >= 1"),
+    ([(None, 1, 1, 2**31, 1)], r"schedule bucket .*ints >= 1"),
+    ([(4, 1, 1, 1, 1)], r"schedule=.*: max_tokens \[4\]: .*" + _EDGES),
+    ([(None, 1, 1, 1, 1), (4, 1, 1, 1, 1)], r"schedule=.*: max_tokens \[None, 4\]: .*" + _EDGES),
+    ([(8, 1, 1, 1, 1), (4, 1, 1, 1, 1), (None, 1, 1, 1, 1)], r"schedule=.*: max_tokens \[8, 4, None\]: .*" + _EDGES),
+    ([(8, 1, 1, 1, 1), (8, 2, 2, 2, 2), (None, 1, 1, 1, 1)], r"schedule=.*: max_tokens \[8, 8, None\]"),
+])
+def test_a_schedule_of_the_wrong_shape_names_the_field(value, match):
+    with pytest.raises(EpConfigError, match="EpDispatchCombineConfig." + match):
+        EpDispatchCombineConfig(**BASE, schedule=value)
+
+
+def test_well_formed_schedules_are_accepted():
+    for schedule in ([(None, 1, 1, 1, 1)], ((8, 4, 2, 4, 2), [64, 8, 4, 8, 4], (None, 16, 8, 16, 8))):
+        assert EpDispatchCombineConfig(**BASE, schedule=schedule).schedule == schedule

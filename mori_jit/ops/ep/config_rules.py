@@ -10,7 +10,7 @@ import torch
 from mori_jit.jit.fields import CPP_INT_RANGE
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.errors import EpConfigError
-from mori_jit.ops.ep.quant import quant_config_errors
+from mori_jit.ops.ep.quant import QUANT_TYPES, quant_config_errors
 
 __all__ = ["check_config", "DISPATCH_DTYPES", "COMBINE_DTYPES", "BACKENDS", "DEFAULT_BACKEND", "INTERNODE_KERNELS",
            "SYMM_MEMORY_KINDS", "INDEX_DTYPES", "SCALE_TYPE_SIZES"]
@@ -74,15 +74,36 @@ def check_config(cfg) -> None:
     if cfg.kernel_backend is not None and cfg.kernel_backend not in BACKENDS:
         raise EpConfigError(f"EpDispatchCombineConfig.kernel_backend={cfg.kernel_backend!r}: allowed {BACKENDS}")
     if cfg.schedule is not None:
-        for b in cfg.schedule:
-            if len(b) != 5 or not all(isinstance(v, int) and v >= 1 for v in b[1:]) or \
-                    not (b[0] is None or (isinstance(b[0], int) and b[0] >= 1)):
-                raise EpConfigError(f"EpDispatchCombineConfig.schedule bucket {b!r}: expected "
-                                 f"(max_tokens|None, disp_blocks, disp_warps, comb_blocks, comb_warps), ints >= 1")
+        _check_schedule(cfg.schedule)
     moe_errors = _moe_field_errors(cfg)
     if moe_errors:
         raise EpConfigError("; ".join(f"EpDispatchCombineConfig.{e}" for e in moe_errors))
     _check_kernel_rules(cfg)
+
+
+_BUCKET = "(max_tokens | None, dispatch_blocks, dispatch_warps, combine_blocks, combine_warps)"
+
+
+def _check_schedule(schedule: Any) -> None:
+    """``schedule``: a non-empty list or tuple of buckets :data:`_BUCKET`, counts ints >= 1, the
+    max_tokens edges ascending and only the last one None (it takes every larger call)."""
+    what = (f"expected a non-empty list of buckets {_BUCKET} of ints >= 1, max_tokens ascending and None in the "
+            f"last bucket only")
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise EpConfigError(f"EpDispatchCombineConfig.schedule={schedule!r}: {what}")
+    edges = []
+    for b in schedule:
+        if (not isinstance(b, (list, tuple)) or len(b) != 5 or not all(_is_count(v) for v in b[1:])
+                or not (b[0] is None or _is_count(b[0]))):
+            raise EpConfigError(f"EpDispatchCombineConfig.schedule bucket {b!r}: expected {_BUCKET}, ints >= 1")
+        edges.append(b[0])
+    finite = edges[:-1]
+    if edges[-1] is not None or None in finite or any(a >= b for a, b in zip(finite, finite[1:])):
+        raise EpConfigError(f"EpDispatchCombineConfig.schedule={schedule!r}: max_tokens {edges}: {what}")
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= CPP_INT_RANGE[1]
 
 
 def _int(name: str, value: Any, lo: int = 0) -> None:
@@ -118,6 +139,9 @@ def _moe_field_errors(cfg) -> list[str]:
                       f"(both 0: no scales)")
     elif cfg.scale_type_size and cfg.scale_type_size not in SCALE_TYPE_SIZES:
         errors.append(f"scale_type_size={cfg.scale_type_size}: allowed {SCALE_TYPE_SIZES} (bytes per scale)")
+    if cfg.quant_type is not None and not isinstance(cfg.quant_type, str):  # (a name is looked up in a dict)
+        return errors + [f"quant_type={cfg.quant_type!r}: expected None or a name: allowed None, 'none', "
+                         f"{', '.join(map(repr, QUANT_TYPES))}"]
     return errors + quant_config_errors(cfg)
 
 
