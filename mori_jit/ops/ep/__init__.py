@@ -8,8 +8,9 @@ Map (each folder's ``__init__`` says more)::
       results, quant          dispatch's named outputs; the in-op fp8 quantization
       knobs, contract         the op's settings (MORI_EP_*); facts the kernels and checks share
     core/                   the backend-independent op: lifecycle, argument checks, the
-                            ranks' agreement on each call, KernelSet (what a backend hands it),
-                            Schedule (which geometry a call launches), the split legs (overlap)
+                            ranks' agreement on each call and the bounded waits of its host
+                            collectives, KernelSet (what a backend hands it), Schedule (which
+                            geometry a call launches), the split legs (overlap)
     memory/                 the symmetric arena and where its memory comes from: torch
                             symmetric memory, CUDA/HIP IPC, NVSHMEM; what ranks learn of each other
     train/                  training and prefill: dispatch and combine differentiable, as

@@ -43,7 +43,9 @@ class EpUnsupportedError(EpError, NotImplementedError):
 
 
 class EpStateError(EpError, RuntimeError):
-    """The op's state refuses the call: it is closed, or the call is out of step with its peers."""
+    """The op's state refuses the call: it is closed, the ranks are at different steps (every rank
+    raises it, naming each rank's step), or an earlier failure left a collective of the process
+    group unfinished (then every later call on the group raises it)."""
 
 
 class EpMemoryError(EpError, RuntimeError):
@@ -56,7 +58,9 @@ class EpBuildError(EpError, RuntimeError):
 
 
 class EpPeerError(EpError, RuntimeError):
-    """A peer rank refused its arguments of this call; no rank ran it (the message names the rank)."""
+    """A peer rank refused its arguments of this call (no rank ran it), or a peer failed, died or did
+    not arrive while this rank waited for it in a host collective (within 2 x ``MORI_EP_TIMEOUT_S``).
+    The message names the rank or the call."""
 
 
 class EpDeviceError(EpError, RuntimeError):

@@ -10,14 +10,16 @@ __all__ = ["EpKnobs", "ep"]
 
 
 class EpKnobs(Group):
-    """The EP op's backend, its kernels' spin-wait bound, overrides of their EpCfg fields, CUDA MPS's
-    per-process SM limit (which the op reads, never sets), and the world sizes of its GPU tests."""
+    """The EP op's backend, its bound on waiting for a peer (kernels and host collectives), overrides
+    of its kernels' EpCfg fields, CUDA MPS's per-process SM limit (which the op reads, never sets),
+    and the world sizes of its GPU tests."""
 
     name = "ep"
     kernel_backend = StrSetting("MORI_EP_KERNEL_BACKEND", None, "the EP backend when the op's config names none",
                                 default_doc="hip", aliases=("MORI_V2_KERNEL_BACKEND",))
     timeout_s = PositiveFloatSetting("MORI_EP_TIMEOUT_S", 30.0,
-                                     "how long an EP kernel spin-waits before it gives up and reports a timeout")
+                                     "how long an EP kernel spin-waits before it gives up and reports a timeout "
+                                     "(a rank waits twice that for its peers in the op's host collectives)")
     cfg_overrides = PrefixSetting("MORI_EP_CFG_", "MORI_EP_CFG_[DISPATCH_|COMBINE_]<FIELD>: an EpCfg field of both "
                                                   "legs or one (e.g. MORI_EP_CFG_COMBINE_BLOCKNUM=64); enters the key",
                                   aliases=("MORI_V2_EP_",))

@@ -21,14 +21,16 @@ import torch.distributed as dist
 
 from mori_jit.ops.ep.memory.arena import SymmArena, keep_until_exit
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
-from mori_jit.ops.ep.core.arguments import agree_on_arguments, byte_span
+from mori_jit.ops.ep.core.agreement import agree_on_arguments, agree_on_step
+from mori_jit.ops.ep.core.arguments import byte_span
 from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
 from mori_jit.ops.ep.core.kernel_set import KernelSet
 from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
 from mori_jit.ops.ep.core.overlap import SplitLegs, refuse_in_flight_then
+from mori_jit.ops.ep.core.watch import watch_of
 from mori_jit.ops.ep.results import EpDispatchResult
 from mori_jit.ops.ep.memory.peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
-from mori_jit.ops.ep.errors import EpConfigError, jit_errors_as_ep_errors, EpArgumentError, EpArgumentTypeError, EpDeviceError, EpPeerError, EpStateError, EpUnsupportedError
+from mori_jit.ops.ep.errors import EpConfigError, jit_errors_as_ep_errors, EpArgumentError, EpArgumentTypeError, EpDeviceError, EpError, EpPeerError, EpStateError, EpUnsupportedError
 
 _log = logging.getLogger(__name__)
 
@@ -98,12 +100,17 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         if missing:  # before any allocation
             raise EpUnsupportedError(f"backend {type(self).__name__} does not support: {'; '.join(missing)}")
         self.device = self._device(cfg)
+        self._watch = watch_of(self.group)  # (a group that a failed exchange left unusable is refused)
+        self._watch.check_usable(ask_the_store=ws > 1)
         # One collective tells every rank the others' host, device and config, so each decision
         # below is the same on every rank (a mismatch raises on all of them, none hangs).
         cards = gather_cards(self.group, RankCard.local(rank, self.device, cfg))
         mismatch = config_mismatch(cards)
         if mismatch:
             raise EpConfigError(mismatch)
+        # the op's number on its group names it in the agreements (the same on every rank: ops are
+        # made collectively, in order)
+        self._number = self._watch.take_op_number()
         #: ranks of the group on this rank's GPU (this one included); they share its SMs/CUs
         self.ranks_per_device = ranks_sharing_device(cards, rank)
         with jit_errors_as_ep_errors():
@@ -119,19 +126,30 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         self._pick = self._kernels.schedule.index
         self._in_dtype, self._comb_dtype, self._cap = cfg.input_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._routing = None  # the latest dispatch's routing
+        self._dispatches = self._routing_no = 0  # agreed dispatches; the one self._routing came from
         # scales=None is refused only where the caller must pass them (check_scales)
         self._scales_required = bool(cfg.scale_dim) and cfg.quant_type in (None, "none")
-        # backends whose legs are host collectives agree on the arguments first (see arguments.agree_on_arguments)
+        # backends whose legs are host collectives agree on the arguments first (see core/agreement.py)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
         self._closed = False
 
     def close(self) -> None:
         """Collective: release the arena and the kernels' state (idempotent). Every rank calls it
         (the context manager does): with IPC memory a rank frees its block only after every peer
-        has unmapped it."""
+        has unmapped it. The ranks agree first (core/agreement.py): a peer at another call, or none
+        within twice ``MORI_EP_TIMEOUT_S``, makes it raise on every rank, and the op is then let go of
+        without a release (as on leaving the context manager on an exception)."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        try:
+            self._watch.check_usable()
+            agree_on_step(self.group, (self._number, "close", None))
+        except EpError as e:
+            self._abandon(e)
+            if isinstance(e, EpStateError) and self._watch.failed is not None:
+                return  # (the group's failure was raised to the caller already)
+            raise
         self._kernels.close()
         if self.arena is not None:
             self.arena.close()
@@ -148,11 +166,15 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
             self.close()
         elif not getattr(self, "_closed", True):
             self._closed = True
-            keep_until_exit(self._kernels)  # (a kernel may still write its error words)
-            if self.arena is not None:
-                self.arena.abandon()
-                _log.warning("rank %d left an EpDispatchCombineOp on %s; its symmetric memory stays "
-                             "mapped until the process exits", self.cfg.rank, exc_type.__name__)
+            self._abandon(exc)
+
+    def _abandon(self, why: BaseException) -> None:
+        """Let go of the op without a collective release (see :meth:`SymmArena.abandon`)."""
+        keep_until_exit(self._kernels)  # (a kernel may still write its error words)
+        if self.arena is not None:
+            self.arena.abandon()
+            _log.warning("rank %d left an EpDispatchCombineOp on %s; its symmetric memory stays "
+                         "mapped until the process exits", self.cfg.rank, type(why).__name__)
 
     @property
     def kernels(self) -> KernelSet:
@@ -179,9 +201,12 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         self._live()
 
     def reset(self) -> None:
-        """Collective: wait for the device, clear counters, flags and errors on every rank."""
+        """Collective: wait for the device, clear counters, flags and errors on every rank (which
+        agree first, as in :meth:`close`: a barrier would pair with any peer's collective)."""
         if self._closed:
             raise EpStateError("EpDispatchCombineOp is closed")
+        self._watch.check_usable()
+        agree_on_step(self.group, (self._number, "reset", None))
         self._kernels.reset()
         self._in_flight = None  # (a send's receive is moot once the counters are cleared)
 
@@ -253,15 +278,18 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
             return _train().dispatch(self, input, weights, scales, indices, return_routing, return_result)
         if getattr(weights, "dtype", None) in _ROUTER_DTYPES:
             weights = weights.float()
-        k = self._live()
         if self._agree_per_call:
-            n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, k, input,
-                                   weights, scales, indices, routing)
+            k, fresh = self._kernels, routing is None  # (a replay belongs to the dispatch it replays)
+            n = self._agree("dispatch" if fresh else "replay", self._dispatches + 1 if fresh else self._routing_no,
+                            weights is not None, self._check_dispatch, k, input, weights, scales, indices, routing)
+            self._dispatches += fresh
         else:
+            k = self._live()
             n = self._check_dispatch(k, input, weights, scales, indices, routing)
         if routing is None:
             res = k.dispatch(self._pick(n), input, weights, scales, indices)
-            self._routing = res[5]  # the only routing combine accepts until the next dispatch
+            # the only routing combine accepts until the next dispatch
+            self._routing, self._routing_no = res[5], self._dispatches
         else:
             res = k.replay(self._pick(n), input, weights, scales, routing)
         if return_result:
@@ -299,11 +327,12 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
                 and torch.is_grad_enabled()):
             return _train().combine(self, input, weights, routing, out, out_weights)
-        k = self._live()
         if self._agree_per_call:
-            n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, input, weights,
-                                   routing, out, out_weights)
+            k = self._kernels
+            n = self._agree("combine", self._routing_no, weights is not None, self._check_combine, input, weights,
+                            routing, out, out_weights)
         else:
+            k = self._live()
             n = self._check_combine(input, weights, routing, out, out_weights)
         return k.combine(self._pick(n), input, weights, routing, out, out_weights)
 
@@ -323,13 +352,22 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         """
         if getattr(input, "requires_grad", False) and torch.is_grad_enabled():
             return _train().combine_expert_major(self, input, routing, out)
-        k = self._live()
+        k = self._kernels if self._agree_per_call else self._live()
         if k.combine_expert_major is None:
             raise EpUnsupportedError(f"{type(self).__name__} has no expert-major combine")
         check = refuse_in_flight_then(self, check_expert_major_input)
         args = (self.cfg, input, routing, self._routing, out, self.device, self._arena_span)
-        n = agree_on_arguments(self.group, "combine", False, check, *args) if self._agree_per_call else check(*args)
+        agreed = self._agree_per_call
+        n = self._agree("combine_expert_major", self._routing_no, False, check, *args) if agreed else check(*args)
         return k.combine_expert_major(self._pick(n), input, routing, out)
+
+    def _agree(self, call: str, of: int, weights_given: bool, check, *args) -> int:
+        """The ranks' agreement on this call, at step ``(op number, call, of)`` (``of``: the dispatch it
+        is or belongs to). A closed op refuses locally: its peers closed it with it (``close`` agrees)."""
+        if self._closed:
+            raise EpStateError("EpDispatchCombineOp is closed")
+        self._watch.check_usable()
+        return agree_on_arguments(self.group, (self._number, call, of), weights_given, check, *args)
 
     def _check_combine(self, input, weights, routing, out, out_weights) -> int:
         """Raise TypeError/ValueError naming a bad argument (EpStateError while a leg is in flight);

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
-from mori_jit.ops.ep.core.arguments import agree_on_arguments
 from mori_jit.ops.ep.results import EpDispatchResult
 from mori_jit.ops.ep.errors import EpStateError, EpUnsupportedError
 
@@ -100,14 +99,16 @@ class SplitLegs:
         call on the op raises :class:`EpStateError`. ``input``, ``weights``, ``scales`` and
         ``indices`` must stay alive and unchanged until the receive."""
         k = self._split_kernels("dispatch_send")
-        if self._agree_per_call:
-            n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, k, input,
-                                   weights, scales, indices, routing)
+        if self._agree_per_call:  # (the same step as dispatch's: a send meets a peer's dispatch)
+            fresh = routing is None
+            n = self._agree("dispatch" if fresh else "replay", self._dispatches + 1 if fresh else self._routing_no,
+                            weights is not None, self._check_dispatch, k, input, weights, scales, indices, routing)
+            self._dispatches += fresh
         else:
             n = self._check_dispatch(k, input, weights, scales, indices, routing)
         res, receive = k.dispatch_send(self._pick(n), input, weights, scales, indices, routing)
-        if routing is None:
-            self._routing = res[5]  # the only routing combine accepts (after the receive)
+        if routing is None:  # the only routing combine accepts (after the receive)
+            self._routing, self._routing_no = res[5], self._dispatches
         self._begin("dispatch", receive)
         if return_result:
             return EpDispatchResult.of(res)
@@ -126,8 +127,8 @@ class SplitLegs:
         unchanged until the receive (it sums this rank's own rows from them)."""
         k = self._split_kernels("combine_send")
         if self._agree_per_call:
-            n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, input, weights,
-                                   routing, out, out_weights)
+            n = self._agree("combine", self._routing_no, weights is not None, self._check_combine, input, weights,
+                            routing, out, out_weights)
         else:
             n = self._check_combine(input, weights, routing, out, out_weights)
         res, receive = k.combine_send(self._pick(n), input, weights, routing, out, out_weights)
@@ -147,8 +148,8 @@ class SplitLegs:
 
 
 def refuse_in_flight_then(op: SplitLegs, check: Callable[..., int]) -> Callable[..., int]:
-    """``check`` preceded by the op's in-flight refusal (a check for :func:`agree_on_arguments`, so
-    that a rank out of step makes every rank refuse the call)."""
+    """``check`` preceded by the op's in-flight refusal (a check for the ranks' agreement,
+    :mod:`.agreement`, so that a rank out of step makes every rank refuse the call)."""
     def checked(*args) -> int:
         op._refuse_in_flight()
         return check(*args)

@@ -1,0 +1,93 @@
+"""Ranks at different steps of the ``torch`` backend (gloo). Before any rank enters a call's
+exchange, the ranks agree on which op and which call each is in, and of which dispatch: a rank
+repeating a combine while its peer dispatches, a replay meeting a fresh dispatch, or two ops' calls
+meeting is an ``EpStateError`` on every rank, naming each rank's step, and nothing ran. A valid
+round works afterwards each time (no rank was left inside a collective)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpStateError
+from mori_jit.testing.distributed import run_distributed
+from mori_jit.testing.golden import golden_check, make_inputs
+
+M, H, K, E = 8, 64, 2, 2
+
+
+def _op(rank, ws, **extra):
+    return EpDispatchCombineOp(EpDispatchCombineConfig(
+        rank=rank, world_size=ws, hidden_dim=H, max_num_inp_token_per_rank=M, num_experts_per_rank=E,
+        num_experts_per_token=K, kernel_backend="torch", **extra))
+
+
+def _inputs(op, rank, gen):
+    return make_inputs(rank, M, H, K, op.cfg.num_experts, torch.bfloat16, torch.device("cpu"), gen)
+
+
+def _valid_round(op, rank, ws, gen):
+    x, w, idx = _inputs(op, rank, gen)
+    out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+    y, y_w = op.combine(out, weights=out_w, routing=routing)
+    golden_check(op.group, rank, ws, M, E, x, w, idx, out, out_w, out_idx, total, routing.recv_src, y, y_w)
+
+
+def _out_of_step(call, match):
+    with pytest.raises(EpStateError, match=match) as ei:
+        call()
+    assert "no rank ran these" in str(ei.value)
+
+
+def _steps_job(rank, ws):
+    gen = torch.Generator().manual_seed(5 + rank)
+    with _op(rank, ws, routing_replay=True) as op, _op(rank, ws) as other:
+        x, w, idx = _inputs(op, rank, gen)
+        out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        op.combine(out, weights=out_w, routing=routing)
+
+        # rank 0 repeats its combine (which is allowed) while the others dispatch again
+        x2, w2, idx2 = _inputs(op, rank, gen)
+        _out_of_step(lambda: op.combine(out, weights=out_w, routing=routing) if rank == 0 else
+                     op.dispatch(x2, w2, None, idx2),
+                     r"the ranks are at different steps \(rank 0 in combine of dispatch 1 of op #1; ranks? "
+                     r"[\d, ]+ in dispatch 2 of op #1\)")
+        _valid_round(op, rank, ws, gen)  # dispatch 2
+
+        # a replay of dispatch 3 on the last rank meets a fresh dispatch on the others
+        out, out_w, _, _, _, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        last = ws - 1
+        _out_of_step(lambda: op.dispatch(x2, w2, None, None, routing=routing) if rank == last else
+                     op.dispatch(x2, w2, None, idx2),
+                     rf"ranks? [\d, ]+ in dispatch 4 of op #1; rank {last} in replay of dispatch 3 of op #1")
+        out2, out_w2, *_ = op.dispatch(x2, w2, None, None, routing=routing)  # the replay, on every rank
+        y, _ = op.combine(out2, weights=out_w2, routing=routing)  # along dispatch 3, with the new payload
+        assert y.shape == (M, H)
+        _valid_round(op, rank, ws, gen)  # dispatch 4
+
+        # two ops' calls meet: rank 0 dispatches on the second op, the others on the first
+        _out_of_step(lambda: (other if rank == 0 else op).dispatch(x, w, None, idx),
+                     r"rank 0 in dispatch 1 of op #2; ranks? [\d, ]+ in dispatch 5 of op #1")
+        _valid_round(other, rank, ws, gen)
+        _valid_round(op, rank, ws, gen)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_ranks_at_different_steps_all_raise_naming_every_step(ws):
+    run_distributed(_steps_job, ws, timeout=90)
+
+
+def _expert_major_job(rank, ws):
+    gen = torch.Generator().manual_seed(9 + rank)
+    with _op(rank, ws, expert_counts=True, expert_capacity=2 * M * ws) as op:
+        x, w, idx = _inputs(op, rank, gen)
+        res = op.dispatch(x, w, None, idx, return_result=True)
+        layout = res.expert.x.to(torch.bfloat16)
+        _out_of_step(lambda: op.combine(res.out, routing=res.routing) if rank == 0 else
+                     op.combine_expert_major(layout, routing=res.routing),
+                     r"rank 0 in combine of dispatch 1 of op #1; ranks? [\d, ]+ in combine_expert_major of "
+                     r"dispatch 1 of op #1")
+        op.combine_expert_major(layout, routing=res.routing)
+
+
+def test_a_combine_and_an_expert_major_combine_do_not_meet():
+    run_distributed(_expert_major_job, 2, timeout=90)
