@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -161,6 +161,16 @@ class Exchange:
         """``dist.all_to_all_single(out, inp, out_splits, in_splits)`` on the group."""
         self._run(dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group,
                                          async_op=self._watch is not None))
+
+    def post_all_to_all(self, out, inp, out_splits: list[int], in_splits: list[int]) -> Callable[[], None]:
+        """Start ``dist.all_to_all_single(out, inp, out_splits, in_splits)`` and return what waits for
+        it (with the watch's bound). This rank has joined it: it counts as made."""
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        self._done += 1
+        watch, what = self._watch, self._what
+        if watch is None:
+            return work.wait
+        return lambda: watch.wait(work, what)
 
     def stop(self) -> None:
         """Every rank ends the call here, with the same outcome (an error every rank raises alike):

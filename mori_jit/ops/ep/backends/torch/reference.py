@@ -14,6 +14,8 @@ Semantics, exactly as the op's contract:
   rows therefore come grouped by source rank ascending, tokens ascending within a source.
 * Combine sends every received row back to its source and sums the returned rows of each token in
   float32 (an *unweighted* sum; the expert side applies the top-k weights).
+* The collectives run through an :class:`~mori_jit.ops.ep.core.watch.Exchange` (plain blocking
+  ones by default; the op passes one that bounds its waits).
 
 Every payload travels as raw bytes (``uint8``), packed into one row per sent token, so that dtypes
 a backend cannot reduce or even transport (bf16 and fp8 on gloo) move bit-exactly and each leg
@@ -26,7 +28,8 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpArgumentError, EpDeviceError
 
 __all__ = ["TorchRouting", "reference_dispatch", "reference_combine"]
@@ -106,10 +109,11 @@ def _destination_mask(indices: torch.Tensor, world_size: int, num_experts_per_ra
     return mask[:, :world_size]
 
 
-def _exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
+def _exchange_counts(send_counts: torch.Tensor, ex: Exchange) -> torch.Tensor:
     """All-to-all of one int64 count per peer: returns how many rows each peer will send us."""
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    ones = [1] * send_counts.numel()
+    ex.all_to_all(recv_counts, send_counts, ones, ones)
     return recv_counts
 
 
@@ -124,6 +128,7 @@ def reference_dispatch(
     scales: torch.Tensor | None,
     indices: torch.Tensor,
     recv_capacity: int,
+    exchange: Exchange | None = None,
 ):
     """Send each token to every distinct rank that holds one of its experts.
 
@@ -139,6 +144,7 @@ def reference_dispatch(
         indices: ``[n, k]`` integer expert ids; int32 and int64 travel as they are, other integer
             dtypes as int32.
         recv_capacity: rows of the output buffers.
+        exchange: runs the collectives (None: plain blocking ones on ``group``).
 
     Returns:
         ``(out [cap, H] x.dtype, out_weights [cap, k] f32, out_scales [cap, S] | None,
@@ -164,6 +170,7 @@ def reference_dispatch(
     if scales is not None and (scales.dim() != 2 or scales.shape[0] != n):
         raise EpArgumentError(f"scales must be [n, S] with n = {n}, got {tuple(scales.shape)}")
     device = x.device
+    ex = exchange if exchange is not None else Exchange.plain(group)
 
     # --- routing: which (destination, token) pairs to send, in send order ------------------------
     mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
@@ -171,7 +178,7 @@ def reference_dispatch(
     # destination ascending, tokens ascending inside a group -- exactly the send order.
     send_tok = mask.t().nonzero()[:, 1].contiguous()
     send_counts_t = mask.sum(dim=0, dtype=torch.int64)
-    recv_counts_t = _exchange_counts(send_counts_t, group)
+    recv_counts_t = _exchange_counts(send_counts_t, ex)
     send_counts = [int(c) for c in send_counts_t.tolist()]
     recv_counts = [int(c) for c in recv_counts_t.tolist()]
     total = sum(recv_counts)
@@ -192,7 +199,7 @@ def reference_dispatch(
     widths = [f.shape[1] for f in fields]
     send = _pack_rows(fields, send_tok)
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    ex.all_to_all(recv, send, recv_counts, send_counts)
 
     if total > recv_capacity:
         raise EpDeviceError(
@@ -226,6 +233,7 @@ def reference_combine(
     expert_out: torch.Tensor,
     weights: torch.Tensor | None,
     out_dtype: torch.dtype,
+    exchange: Exchange | None = None,
 ):
     """Return each received row to its source and sum the rows of every token in float32.
 
@@ -239,6 +247,7 @@ def reference_combine(
         weights: ``[>= total_recv, k]`` weights to sum alongside (converted to float32), or None.
         out_dtype: dtype of ``y``. Byte dtypes (fp8, uint8, ...) are refused: they can be moved
             but not summed.
+        exchange: runs the collective (None: a plain blocking one on ``group``).
 
     Returns:
         ``(y [n, H] out_dtype, y_w [n, k] f32 | None)``: ``y[t]`` is the float32 sum of the rows
@@ -264,7 +273,8 @@ def reference_combine(
     # Reverse exchange: what we received from peer r goes back to r, and we get back exactly the
     # rows we sent, in our send order (which is routing.send_tok's order).
     back = torch.empty(sum(routing.send_counts), send.shape[1], dtype=torch.uint8, device=device)
-    dist.all_to_all_single(back, send, routing.send_counts, routing.recv_counts, group=group)
+    ex = exchange if exchange is not None else Exchange.plain(group)
+    ex.all_to_all(back, send, routing.send_counts, routing.recv_counts)
 
     n = routing.num_tokens
     send_tok = routing.send_tok.to(device)

@@ -14,9 +14,9 @@ import dataclasses
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from mori_jit.ops.ep.backends.torch.reference import TorchRouting, _from_row_bytes, _pack_rows, _row_bytes
+from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.results import EpExpertLayout
 from mori_jit.ops.ep.errors import EpCapacityError
 
@@ -121,7 +121,7 @@ def expert_rows_sum(m: ExpertMap, expert_out: torch.Tensor, total: int) -> torch
 
 
 def reference_replay(group, routing: TorchMoeRouting, x: torch.Tensor, weights: Optional[torch.Tensor],
-                     scales: Optional[torch.Tensor]):
+                     scales: Optional[torch.Tensor], exchange: Optional[Exchange] = None):
     """Move a new payload of the same tokens along ``routing`` (no routing, no counts exchange).
 
     Collective, like the dispatch. Returns ``(out [cap, H], out_weights [cap, k] | None,
@@ -135,7 +135,8 @@ def reference_replay(group, routing: TorchMoeRouting, x: torch.Tensor, weights: 
     send = _pack_rows(fields, routing.send_tok)
     total = routing.total_recv
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=x.device)
-    dist.all_to_all_single(recv, send, routing.recv_counts, routing.send_counts, group=group)
+    ex = exchange if exchange is not None else Exchange.plain(group)
+    ex.all_to_all(recv, send, routing.recv_counts, routing.send_counts)
     outs, off = [], 0
     for f, t in zip(fields, [x] + [v for v in (weights, scales) if v is not None]):
         dtype = torch.float32 if t is weights else t.dtype

@@ -3,7 +3,9 @@
 A send does everything up to the payload exchange: routing, the counts exchange (a blocking
 collective: it sizes the payload), the packing, and then posts the payload exchange
 (``all_to_all_single(..., async_op=True)``); it returns the leg's outputs, allocated but not yet
-filled, and a ``receive`` that waits for the exchange and unpacks into them. The algorithm, its
+filled, and a ``receive`` that waits for the exchange and unpacks into them. The collectives run
+through an :class:`~mori_jit.ops.ep.core.watch.Exchange` (the op passes one that bounds their
+waits, the receive's included). The algorithm, its
 order and its byte layout are :mod:`.reference`'s (``reference_dispatch``, ``reference_combine``,
 ``reference_replay``), whose helpers these use; ``tests/test_ep_overlap_cpu.py`` holds both
 against each other and against the golden checks.
@@ -15,10 +17,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from mori_jit.ops.ep.backends.torch.reference import (TorchRouting, _destination_mask, _exchange_counts,
                                                       _from_row_bytes, _pack_rows, _row_bytes)
+from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpDeviceError
 from mori_jit.ops.ep.results import EpExpertLayout
 
@@ -41,16 +43,17 @@ def _unpack_into(recv: torch.Tensor, outs: list[Optional[torch.Tensor]], total: 
 
 def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, num_experts_per_rank: int,
                   x: torch.Tensor, weights: torch.Tensor, scales: Optional[torch.Tensor], indices: torch.Tensor,
-                  recv_capacity: int) -> tuple[tuple, Receive]:
+                  recv_capacity: int, exchange: Optional[Exchange] = None) -> tuple[tuple, Receive]:
     """:func:`~.reference.reference_dispatch` as a send and a receive (same arguments, same outputs,
     filled by the receive). The receive raises :class:`EpDeviceError` when this rank received more
     rows than ``recv_capacity``, after the exchange (no peer is left inside it)."""
     n, hidden = x.shape
     k, device = indices.shape[1], x.device
+    ex = exchange if exchange is not None else Exchange.plain(group)
     mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
     send_tok = mask.t().nonzero()[:, 1].contiguous()  # (dest, tok) in send order
     send_counts = [int(c) for c in mask.sum(dim=0, dtype=torch.int64).tolist()]
-    recv_counts = [int(c) for c in _exchange_counts(torch.tensor(send_counts, device=device), group).tolist()]
+    recv_counts = [int(c) for c in _exchange_counts(torch.tensor(send_counts, device=device), ex).tolist()]
     total = sum(recv_counts)
     src_id = (rank * max_tokens_per_rank + torch.arange(n, device=device, dtype=torch.int64)).to(torch.int32)
     id_dtype = indices.dtype if indices.dtype in (torch.int32, torch.int64) else torch.int32
@@ -60,7 +63,7 @@ def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, n
         fields.append(_row_bytes(scales.to(device)))
     send = _pack_rows(fields, send_tok)
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=device)
-    work = dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group, async_op=True)
+    wait = ex.post_all_to_all(recv, send, recv_counts, send_counts)
 
     recv_src = torch.empty(total, 1, dtype=torch.int32, device=device)
     out_indices = torch.empty(recv_capacity, k, dtype=id_dtype, device=device)
@@ -74,7 +77,7 @@ def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, n
                            send_tok=send_tok, num_tokens=n)
 
     def receive() -> None:
-        work.wait()
+        wait()
         if total > recv_capacity:
             raise EpDeviceError(f"EP dispatch on rank {rank}: received {total} rows but recv_capacity is "
                                 f"{recv_capacity}")
@@ -84,8 +87,8 @@ def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, n
     return (out, out_weights, out_scales, out_indices, total_recv, routing), receive
 
 
-def post_replay(group, routing, x: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor]
-                ) -> tuple[tuple, Receive]:
+def post_replay(group, routing, x: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
+                exchange: Optional[Exchange] = None) -> tuple[tuple, Receive]:
     """:func:`~.reference_moe.reference_replay` as a send and a receive: ``(out, out_weights,
     out_scales)`` (filled by the receive) and the receive."""
     payload = [x] + [t for t in (weights, scales) if t is not None]
@@ -93,7 +96,8 @@ def post_replay(group, routing, x: torch.Tensor, weights: Optional[torch.Tensor]
     send = _pack_rows(fields, routing.send_tok)
     total = routing.total_recv
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=x.device)
-    work = dist.all_to_all_single(recv, send, routing.recv_counts, routing.send_counts, group=group, async_op=True)
+    ex = exchange if exchange is not None else Exchange.plain(group)
+    wait = ex.post_all_to_all(recv, send, routing.recv_counts, routing.send_counts)
 
     def like(t):
         if t is None:
@@ -104,15 +108,15 @@ def post_replay(group, routing, x: torch.Tensor, weights: Optional[torch.Tensor]
     outs = (like(x), like(weights), like(scales))
 
     def receive() -> None:
-        work.wait()
+        wait()
         _unpack_into(recv, list(outs), total)
 
     return outs, receive
 
 
 def post_combine(group, routing: TorchRouting, expert_out: torch.Tensor, weights: Optional[torch.Tensor],
-                 out_dtype: torch.dtype, out: Optional[torch.Tensor], out_weights: Optional[torch.Tensor]
-                 ) -> tuple[tuple, Receive]:
+                 out_dtype: torch.dtype, out: Optional[torch.Tensor], out_weights: Optional[torch.Tensor],
+                 exchange: Optional[Exchange] = None) -> tuple[tuple, Receive]:
     """:func:`~.reference.reference_combine` as a send and a receive: ``(y, y_w)`` (``out`` /
     ``out_weights`` when given, else new; filled by the receive) and the receive."""
     total, device, hidden = routing.total_recv, expert_out.device, expert_out.shape[1]
@@ -121,7 +125,8 @@ def post_combine(group, routing: TorchRouting, expert_out: torch.Tensor, weights
         fields.append(_row_bytes(weights[:total].to(device=device, dtype=torch.float32)))
     send = _pack_rows(fields, None)
     back = torch.empty(sum(routing.send_counts), send.shape[1], dtype=torch.uint8, device=device)
-    work = dist.all_to_all_single(back, send, routing.send_counts, routing.recv_counts, group=group, async_op=True)
+    ex = exchange if exchange is not None else Exchange.plain(group)
+    wait = ex.post_all_to_all(back, send, routing.send_counts, routing.recv_counts)
     n, send_tok = routing.num_tokens, routing.send_tok.to(device)
     y = out if out is not None else torch.empty(n, hidden, dtype=out_dtype, device=device)
     y_w = None
@@ -130,7 +135,7 @@ def post_combine(group, routing: TorchRouting, expert_out: torch.Tensor, weights
                                                                       device=device)
 
     def receive() -> None:
-        work.wait()
+        wait()
         xw = hidden * expert_out.element_size()
         rows = _from_row_bytes(back[:, :xw], expert_out.dtype, hidden).float()
         y.copy_(torch.zeros(n, hidden, dtype=torch.float32, device=device).index_add_(0, send_tok, rows))
