@@ -1,14 +1,17 @@
-"""Ranks at different steps of the ``torch`` backend (gloo). Before any rank enters a call's
-exchange, the ranks agree on which op and which call each is in, and of which dispatch: a rank
-repeating a combine while its peer dispatches, a replay meeting a fresh dispatch, or two ops' calls
-meeting is an ``EpStateError`` on every rank, naming each rank's step, and nothing ran. A valid
-round works afterwards each time (no rank was left inside a collective)."""
+"""Ranks at different steps of the ``torch`` backend (gloo), and errors of one rank that every rank
+must get. Before any rank enters a call's exchange, the ranks agree on which op and which call each
+is in, and of which dispatch: a rank repeating a combine while its peer dispatches, a replay
+meeting a fresh dispatch, or two ops' calls meeting is an ``EpStateError`` on every rank, naming
+each rank's step, and nothing ran. A capacity overflow on one rank is an error on every rank. A
+valid round works afterwards each time (no rank was left inside a collective)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpStateError
+from mori_jit.ops.ep import (EpCapacityError, EpDeviceError, EpDispatchCombineConfig, EpDispatchCombineOp,
+                             EpStateError)
+from mori_jit.ops.ep.backends.torch.reference import reference_dispatch
 from mori_jit.testing.distributed import run_distributed
 from mori_jit.testing.golden import golden_check, make_inputs
 
@@ -91,3 +94,42 @@ def _expert_major_job(rank, ws):
 
 def test_a_combine_and_an_expert_major_combine_do_not_meet():
     run_distributed(_expert_major_job, 2, timeout=90)
+
+
+def _capacity_job(rank, ws):
+    """Every token of every rank names rank 1's first expert: it overflows, every rank raises the
+    same error naming rank 1, from a dispatch and from a split send alike; the retry, with a larger
+    spread, runs on every rank."""
+    gen = torch.Generator().manual_seed(rank)
+    with _op(rank, ws, expert_counts=True, expert_capacity=4, split_send_recv=True) as op:
+        x, w, _ = _inputs(op, rank, gen)
+        idx = torch.full((M, K), E, dtype=torch.int32)  # expert E: rank 1's local expert 0, twice per token
+        with pytest.raises(EpCapacityError, match=r"rank 1's local experts 0 .* the dispatch returns on no rank"):
+            op.dispatch_send(x, w, None, idx)  # (refused by the send: no leg is left in flight)
+        with pytest.raises(EpCapacityError) as ei:
+            op.dispatch(x, w, None, idx)
+        assert str(ei.value) == (f"EP dispatch: rank 1's local experts 0 ({2 * M * ws} pairs) would receive more "
+                                 f"than expert_capacity=4 (token, expert) pairs; raise expert_capacity to at least "
+                                 f"{2 * M * ws} (nothing was sent or truncated: the dispatch returns on no rank)")
+        # the overflowing rank's retry meets every peer's: the ranks stay in step
+        idx = (torch.arange(M * K, dtype=torch.int32).reshape(M, K) + rank) % op.cfg.num_experts
+        x = x[:2].contiguous()
+        res = op.dispatch(x, w[:2].contiguous(), None, idx[:2].contiguous(), return_result=True)
+        y, _ = op.combine(res.out, weights=res.out_weights, routing=res.routing)
+        received = res.out_indices[:int(res.total_recv)]
+        assert int(res.expert_counts.sum()) == int((received // E == rank).sum()) and y.shape == (2, H)
+
+    # the reference itself: a rank that would receive more rows than its capacity fails every rank,
+    # before any row moves, and the next exchange stays matched
+    x, w, _ = _inputs(op, rank, gen)
+    idx = torch.zeros(M, K, dtype=torch.int32)  # every token to rank 0
+    with pytest.raises(EpDeviceError, match=rf"rank 0 would receive {ws * M} rows, but recv_capacity is {M}; "
+                                            rf"no row was sent"):
+        reference_dispatch(None, rank, ws, M, E, x, w, None, idx, M)
+    *_, total, _ = reference_dispatch(None, rank, ws, M, E, x, w, None, idx, ws * M)
+    assert int(total) == (ws * M if rank == 0 else 0)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_a_capacity_overflow_on_one_rank_is_an_error_on_every_rank(ws):
+    run_distributed(_capacity_job, ws, timeout=90)

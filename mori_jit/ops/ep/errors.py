@@ -70,10 +70,10 @@ class EpDeviceError(EpError, RuntimeError):
 class EpCapacityError(EpDeviceError):
     """More (token, expert) pairs reached a local expert than ``cfg.expert_capacity`` rows hold.
 
-    Never a silent truncation: the ``torch`` backend raises it from the ``dispatch`` itself, on the
-    rank whose expert overflowed, after the exchange (so no peer is left inside a collective); a
-    backend that does not sync the host (``hip``) raises it from ``check()`` or the op's next call
-    on that rank, until ``op.reset()`` (collective).
+    Never a silent truncation: the ``torch`` backend raises it from the ``dispatch`` itself, on
+    every rank, before any row moves (the ranks' counts are gathered first, so none is left inside a
+    collective and every rank may retry); a backend that does not sync the host (``hip``) raises it from ``check()`` or the
+    op's next call on the rank whose expert overflowed, until ``op.reset()`` (collective).
     """
 
 

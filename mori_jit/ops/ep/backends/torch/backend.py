@@ -69,7 +69,9 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             return (group, cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
                     x, w, scales, indices, cfg.recv_capacity)
 
-        def experts_of(out_idx, total):  # (raises EpCapacityError on overflow, after the exchange)
+        capacity = dict(expert_capacity=cfg.expert_capacity)  # (an overflow: every rank raises, nothing is sent)
+
+        def experts_of(out_idx, total):
             if not cfg.expert_counts:
                 return None
             return expert_map(out_idx, total, cfg.rank, cfg.num_experts_per_rank, cfg.expert_capacity)
@@ -78,7 +80,7 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             with exchange("dispatch", 2) as ex:
                 x, scales = payload(x, scales)
                 out, out_w, out_s, out_idx, total, base = reference_dispatch(*leg_args(x, weights, scales, indices),
-                                                                             exchange=ex)
+                                                                             exchange=ex, **capacity)
             experts = experts_of(out_idx, base.total_recv)
             routing = TorchMoeRouting(**vars(base), out_indices=out_idx, experts=experts,
                                       recv_capacity=cfg.recv_capacity)
@@ -119,7 +121,7 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
                     (out, out_w, out_s), receive = post_replay(group, routing, x, weights, scales, exchange=ex)
                 else:
                     (out, out_w, out_s, out_idx, total, base), receive = post_dispatch(
-                        *leg_args(x, weights, scales, indices), exchange=ex)
+                        *leg_args(x, weights, scales, indices), exchange=ex, **capacity)
             if not fresh:
                 total = torch.tensor([routing.total_recv], dtype=torch.int32, device=x.device)
                 outputs = (out, out_w, out_s, routing.out_indices, total, routing)

@@ -14,8 +14,11 @@ Semantics, exactly as the op's contract:
   rows therefore come grouped by source rank ascending, tokens ascending within a source.
 * Combine sends every received row back to its source and sums the returned rows of each token in
   float32 (an *unweighted* sum; the expert side applies the top-k weights).
-* The collectives run through an :class:`~mori_jit.ops.ep.core.watch.Exchange` (plain blocking
-  ones by default; the op passes one that bounds its waits).
+* Every rank learns every rank's send counts (one ``all_gather``, :mod:`.counts`), so an error
+  that the counts decide (a rank would receive more rows than its capacity, an expert more pairs
+  than ``expert_capacity``) is raised on every rank, before any row moves. The collectives run
+  through an :class:`~mori_jit.ops.ep.core.watch.Exchange` (plain blocking ones by default; the op
+  passes one that bounds its waits).
 
 Every payload travels as raw bytes (``uint8``), packed into one row per sent token, so that dtypes
 a backend cannot reduce or even transport (bf16 and fp8 on gloo) move bit-exactly and each leg
@@ -29,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mori_jit.ops.ep.backends.torch.counts import gather_counts
 from mori_jit.ops.ep.core.watch import Exchange
-from mori_jit.ops.ep.errors import EpArgumentError, EpDeviceError
+from mori_jit.ops.ep.errors import EpArgumentError
 
 __all__ = ["TorchRouting", "reference_dispatch", "reference_combine"]
 
@@ -109,14 +113,6 @@ def _destination_mask(indices: torch.Tensor, world_size: int, num_experts_per_ra
     return mask[:, :world_size]
 
 
-def _exchange_counts(send_counts: torch.Tensor, ex: Exchange) -> torch.Tensor:
-    """All-to-all of one int64 count per peer: returns how many rows each peer will send us."""
-    recv_counts = torch.empty_like(send_counts)
-    ones = [1] * send_counts.numel()
-    ex.all_to_all(recv_counts, send_counts, ones, ones)
-    return recv_counts
-
-
 def reference_dispatch(
     group,
     rank: int,
@@ -129,6 +125,7 @@ def reference_dispatch(
     indices: torch.Tensor,
     recv_capacity: int,
     exchange: Exchange | None = None,
+    expert_capacity: int = 0,
 ):
     """Send each token to every distinct rank that holds one of its experts.
 
@@ -145,6 +142,8 @@ def reference_dispatch(
             dtypes as int32.
         recv_capacity: rows of the output buffers.
         exchange: runs the collectives (None: plain blocking ones on ``group``).
+        expert_capacity: > 0: every rank refuses a dispatch in which an expert would receive more
+            (token, expert) pairs (the op's ``expert_capacity``).
 
     Returns:
         ``(out [cap, H] x.dtype, out_weights [cap, k] f32, out_scales [cap, S] | None,
@@ -153,8 +152,9 @@ def reference_dispatch(
 
     Raises:
         ValueError: malformed inputs (checked before any collective, so every rank raises alike).
-        RuntimeError: this rank received more rows than ``recv_capacity``. The payload exchange
-            has already completed on every rank, so peers are not left hanging in a collective.
+        EpDeviceError (a RuntimeError): some rank would receive more rows than ``recv_capacity``;
+            every rank raises it, after the counts and before any row moves. EpCapacityError (an
+            EpDeviceError): likewise for an expert beyond ``expert_capacity``.
     """
     if x.dim() != 2 or indices.dim() != 2 or weights.dim() != 2:
         raise EpArgumentError("x, weights and indices must be 2-D")
@@ -177,10 +177,8 @@ def reference_dispatch(
     # nonzero() on the transposed mask yields (dest, tok) in row-major order: grouped by
     # destination ascending, tokens ascending inside a group -- exactly the send order.
     send_tok = mask.t().nonzero()[:, 1].contiguous()
-    send_counts_t = mask.sum(dim=0, dtype=torch.int64)
-    recv_counts_t = _exchange_counts(send_counts_t, ex)
-    send_counts = [int(c) for c in send_counts_t.tolist()]
-    recv_counts = [int(c) for c in recv_counts_t.tolist()]
+    send_counts, recv_counts = gather_counts(mask, indices, rank, world_size, num_experts_per_rank, recv_capacity,
+                                             expert_capacity, ex)
     total = sum(recv_counts)
 
     # --- payload: one packed byte row per sent token ---------------------------------------------
@@ -200,10 +198,6 @@ def reference_dispatch(
     send = _pack_rows(fields, send_tok)
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=device)
     ex.all_to_all(recv, send, recv_counts, send_counts)
-
-    if total > recv_capacity:
-        raise EpDeviceError(
-            f"EP dispatch on rank {rank}: received {total} rows but recv_capacity is {recv_capacity}")
 
     # --- unpack into capacity-sized outputs ------------------------------------------------------
     ends = list(itertools.accumulate(widths))

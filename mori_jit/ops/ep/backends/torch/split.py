@@ -1,7 +1,8 @@
 """The ``torch`` backend's legs in two halves (:mod:`mori_jit.ops.ep.core.overlap`).
 
 A send does everything up to the payload exchange: routing, the counts exchange (a blocking
-collective: it sizes the payload), the packing, and then posts the payload exchange
+collective: it sizes the payload, and every rank raises an overflow it shows, :mod:`.counts`), the
+packing, and then posts the payload exchange
 (``all_to_all_single(..., async_op=True)``); it returns the leg's outputs, allocated but not yet
 filled, and a ``receive`` that waits for the exchange and unpacks into them. The collectives run
 through an :class:`~mori_jit.ops.ep.core.watch.Exchange` (the op passes one that bounds their
@@ -18,10 +19,10 @@ from typing import Callable, Optional
 
 import torch
 
-from mori_jit.ops.ep.backends.torch.reference import (TorchRouting, _destination_mask, _exchange_counts,
-                                                      _from_row_bytes, _pack_rows, _row_bytes)
+from mori_jit.ops.ep.backends.torch.counts import gather_counts
+from mori_jit.ops.ep.backends.torch.reference import (TorchRouting, _destination_mask, _from_row_bytes, _pack_rows,
+                                                      _row_bytes)
 from mori_jit.ops.ep.core.watch import Exchange
-from mori_jit.ops.ep.errors import EpDeviceError
 from mori_jit.ops.ep.results import EpExpertLayout
 
 __all__ = ["post_dispatch", "post_replay", "post_combine", "empty_moe_outputs", "fill_moe_outputs"]
@@ -43,17 +44,17 @@ def _unpack_into(recv: torch.Tensor, outs: list[Optional[torch.Tensor]], total: 
 
 def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, num_experts_per_rank: int,
                   x: torch.Tensor, weights: torch.Tensor, scales: Optional[torch.Tensor], indices: torch.Tensor,
-                  recv_capacity: int, exchange: Optional[Exchange] = None) -> tuple[tuple, Receive]:
+                  recv_capacity: int, exchange: Optional[Exchange] = None, expert_capacity: int = 0
+                  ) -> tuple[tuple, Receive]:
     """:func:`~.reference.reference_dispatch` as a send and a receive (same arguments, same outputs,
-    filled by the receive). The receive raises :class:`EpDeviceError` when this rank received more
-    rows than ``recv_capacity``, after the exchange (no peer is left inside it)."""
+    filled by the receive; the same errors, from the send, on every rank)."""
     n, hidden = x.shape
     k, device = indices.shape[1], x.device
     ex = exchange if exchange is not None else Exchange.plain(group)
     mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
     send_tok = mask.t().nonzero()[:, 1].contiguous()  # (dest, tok) in send order
-    send_counts = [int(c) for c in mask.sum(dim=0, dtype=torch.int64).tolist()]
-    recv_counts = [int(c) for c in _exchange_counts(torch.tensor(send_counts, device=device), ex).tolist()]
+    send_counts, recv_counts = gather_counts(mask, indices, rank, world_size, num_experts_per_rank, recv_capacity,
+                                             expert_capacity, ex)
     total = sum(recv_counts)
     src_id = (rank * max_tokens_per_rank + torch.arange(n, device=device, dtype=torch.int64)).to(torch.int32)
     id_dtype = indices.dtype if indices.dtype in (torch.int32, torch.int64) else torch.int32
@@ -78,9 +79,6 @@ def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, n
 
     def receive() -> None:
         wait()
-        if total > recv_capacity:
-            raise EpDeviceError(f"EP dispatch on rank {rank}: received {total} rows but recv_capacity is "
-                                f"{recv_capacity}")
         _unpack_into(recv, [recv_src, out_indices, out_weights, out, out_scales], total)
         total_recv.fill_(total)
 
