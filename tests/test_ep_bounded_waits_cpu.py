@@ -36,13 +36,12 @@ def _op(rank, ws):
         num_experts_per_token=K, kernel_backend="torch"))
 
 
-def _inputs(rank, ws, seed=0):
-    return make_inputs(rank, M, H, K, E * ws, torch.bfloat16, torch.device("cpu"),
-                       torch.Generator().manual_seed(seed + rank))
+def _inputs(rank, ws, seed=0, device=torch.device("cpu")):
+    return make_inputs(rank, M, H, K, E * ws, torch.bfloat16, device, torch.Generator().manual_seed(seed + rank))
 
 
 def _valid_round(op, rank, ws):
-    x, w, idx = _inputs(rank, ws, 3)
+    x, w, idx = _inputs(rank, ws, 3, op.device)
     out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
     y, y_w = op.combine(out, weights=out_w, routing=routing)
     golden_check(op.group, rank, ws, M, E, x, w, idx, out, out_w, out_idx, total, routing.recv_src, y, y_w)
@@ -50,7 +49,7 @@ def _valid_round(op, rank, ws):
 
 def _close_meets_dispatch_job(rank, ws):
     op = _op(rank, ws)
-    x, w, idx = _inputs(rank, ws)
+    x, w, idx = _inputs(rank, ws, device=op.device)
     start = time.monotonic()
     steps = r"\(rank 0 in close of op #1; ranks? [\d, ]+ in dispatch 1 of op #1\)"
     if rank == 0:

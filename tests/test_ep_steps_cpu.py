@@ -25,7 +25,7 @@ def _op(rank, ws, **extra):
 
 
 def _inputs(op, rank, gen):
-    return make_inputs(rank, M, H, K, op.cfg.num_experts, torch.bfloat16, torch.device("cpu"), gen)
+    return make_inputs(rank, M, H, K, op.cfg.num_experts, torch.bfloat16, op.device, gen)
 
 
 def _valid_round(op, rank, ws, gen):
@@ -103,7 +103,7 @@ def _capacity_job(rank, ws):
     gen = torch.Generator().manual_seed(rank)
     with _op(rank, ws, expert_counts=True, expert_capacity=4, split_send_recv=True) as op:
         x, w, _ = _inputs(op, rank, gen)
-        idx = torch.full((M, K), E, dtype=torch.int32)  # expert E: rank 1's local expert 0, twice per token
+        idx = torch.full((M, K), E, dtype=torch.int32, device=op.device)  # rank 1's local expert 0, twice a token
         with pytest.raises(EpCapacityError, match=r"rank 1's local experts 0 .* the dispatch returns on no rank"):
             op.dispatch_send(x, w, None, idx)  # (refused by the send: no leg is left in flight)
         with pytest.raises(EpCapacityError) as ei:
@@ -112,7 +112,7 @@ def _capacity_job(rank, ws):
                                  f"than expert_capacity=4 (token, expert) pairs; raise expert_capacity to at least "
                                  f"{2 * M * ws} (nothing was sent or truncated: the dispatch returns on no rank)")
         # the overflowing rank's retry meets every peer's: the ranks stay in step
-        idx = (torch.arange(M * K, dtype=torch.int32).reshape(M, K) + rank) % op.cfg.num_experts
+        idx = (torch.arange(M * K, dtype=torch.int32, device=op.device).reshape(M, K) + rank) % op.cfg.num_experts
         x = x[:2].contiguous()
         res = op.dispatch(x, w[:2].contiguous(), None, idx[:2].contiguous(), return_result=True)
         y, _ = op.combine(res.out, weights=res.out_weights, routing=res.routing)
@@ -122,7 +122,7 @@ def _capacity_job(rank, ws):
     # the reference itself: a rank that would receive more rows than its capacity fails every rank,
     # before any row moves, and the next exchange stays matched
     x, w, _ = _inputs(op, rank, gen)
-    idx = torch.zeros(M, K, dtype=torch.int32)  # every token to rank 0
+    idx = torch.zeros(M, K, dtype=torch.int32, device=op.device)  # every token to rank 0
     with pytest.raises(EpDeviceError, match=rf"rank 0 would receive {ws * M} rows, but recv_capacity is {M}; "
                                             rf"no row was sent"):
         reference_dispatch(None, rank, ws, M, E, x, w, None, idx, M)
