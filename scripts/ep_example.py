@@ -66,5 +66,6 @@ if not ok:
 if rank == 0 and flags.item():
     print(f"ep_example: OK: {ws} ranks, {op.cfg.backend()} backend, {M} tokens per rank, top-{K} of {ws * E} "
           f"experts: combine matches the dense layer (rank 0 max |err| {err.max().item():.3g})", flush=True)
+dist.barrier()  # every rank leaves together: gloo aborts a rank whose peer tears down mid-exchange
 dist.destroy_process_group()
 sys.exit(0 if flags.item() else 1)
