@@ -97,7 +97,7 @@ def test_torch_backend_golden(ws):
 def _gate_job(rank, ws):
     cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=256, max_num_inp_token_per_rank=8,
                                   num_experts_per_rank=4, num_experts_per_token=2, combine_mode="scatter",
-                                  quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
+                                  dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
                                   combine_data_type=torch.bfloat16, scale_dim=2, scale_type_size=4,
                                   index_dtype=torch.int64, expert_counts=True, expert_capacity=16,
                                   routing_replay=True, kernel_backend="hip")
@@ -106,7 +106,8 @@ def _gate_job(rank, ws):
     msg = str(e.value)
     # every MoE option has passed the GPU suite on the hip kernels: none of them is missing
     assert "combine_mode='scatter'" in msg and "MoE-layer" not in msg, msg
-    for option in ("quant_type", "index_dtype", "expert_counts", "expert_capacity", "routing_replay", "scale_dim"):
+    for option in ("quant_type", "index_dtype", "expert_counts", "expert_capacity", "routing_replay",
+                   "scale_dim"):
         assert option not in msg, msg
     # the torch backend serves every MoE feature of that config: only the scatter combine is missing
     with pytest.raises(EpUnsupportedError) as e:

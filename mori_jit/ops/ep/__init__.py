@@ -5,7 +5,7 @@ Map (each folder's ``__init__`` says more)::
     ops/ep/                 what a user touches, and what every layer below shares
       config, config_rules    EpDispatchCombineConfig, its fields' allowed values and rules
       errors                  EpError and every error the op raises
-      results, quant          dispatch's named outputs; the in-op fp8 quantization
+      results, quant          dispatch's named outputs; the two wires' quantizations
       knobs, contract         the op's settings (MORI_EP_*); facts the kernels and checks share
     core/                   the backend-independent op: lifecycle, argument checks, the
                             ranks' agreement on each call, KernelSet (what a backend hands it),

@@ -108,7 +108,7 @@ class EpDispatchCombineOp(abc.ABC):
         self._in_dtype, self._comb_dtype, self._cap = cfg.input_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._routing = None  # the latest dispatch's routing
         # scales=None is refused only where the caller must pass them (check_scales)
-        self._scales_required = bool(cfg.scale_dim) and cfg.quant_type in (None, "none")
+        self._scales_required = bool(cfg.scale_dim) and cfg.dispatch_quant_type in (None, "none")
         # backends whose legs are host collectives agree on the arguments first (see arguments.agree_on_arguments)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
         self._closed = False
@@ -194,11 +194,11 @@ class EpDispatchCombineOp(abc.ABC):
         """Send each token to the ranks of its top-k experts (once per distinct rank).
 
         Args:
-            input: ``[n, hidden]`` ``cfg.input_dtype`` (the dispatch dtype; bf16 under ``quant_type``,
-                which the op casts to fp8 with block scales on the way), ``n <= M``.
+            input: ``[n, hidden]`` ``cfg.input_dtype`` (the dispatch dtype; bf16 under
+                ``dispatch_quant_type``, which the op casts to fp8 with block scales on the way), ``n <= M``.
             weights: ``[n, k]`` float32 top-k weights, or None (then every rank passes None).
             scales: ``[n, scale_dim]`` per-token scales of ``scale_type_size``-byte elements when the
-                config declares ``scale_dim`` (and no ``quant_type``); else None.
+                config declares ``scale_dim`` (and no ``dispatch_quant_type``); else None.
             indices: ``[n, k]`` ``cfg.index_dtype`` expert ids; an id ``< 0`` or out of range drops
                 its slot. None on a replay (the routing has them).
             routing: replay (``cfg.routing_replay``): the routing of this op's latest dispatch; the new

@@ -2,7 +2,7 @@
 
 The parity oracle and the baseline users would otherwise write. Runs on any process group (NCCL,
 RCCL, gloo on CPU). It syncs the host (token counts) and cannot be captured in a graph. It is the
-reference of every MoE feature (docs/design.md §6): per-token scales, ``quant_type``, int64 ids,
+reference of every MoE feature (docs/design.md §6): per-token scales, ``dispatch_quant_type``, int64 ids,
 local expert counts, the expert-major layout and its combine, and routing replay.
 """
 from __future__ import annotations
@@ -13,21 +13,24 @@ import torch.distributed as dist
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
-from mori_jit.ops.ep.quant import quant_spec, quantize
+from mori_jit.ops.ep.quant import combine_quant_gap, quant_spec, quantize
 from mori_jit.ops.ep.backends.torch.reference import reference_combine, reference_dispatch
 from mori_jit.ops.ep.backends.torch.reference_moe import TorchMoeRouting, expert_layout, expert_map, expert_rows_sum, reference_replay
 from mori_jit.ops.ep.errors import EpCapacityError
 
-__all__ = ["EpDispatchCombineOpTorch"]
+__all__ = ["EpDispatchCombineOpTorch", "TORCH_COMBINE_QUANT_TYPES"]
+
+#: The combine-wire quantizations (mori's ``quant_type``) this backend serves.
+TORCH_COMBINE_QUANT_TYPES = ("none",)
 
 
 class EpDispatchCombineOpTorch(EpDispatchCombineOp):
     """EP op on ``all_to_all_single``; same contract as the ``hip`` backend."""
 
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
-        if cfg.combine_mode != "gather":
-            return [f"combine_mode={cfg.combine_mode!r} (only 'gather')"]
-        return []
+        missing = [] if cfg.combine_mode == "gather" else [f"combine_mode={cfg.combine_mode!r} (only 'gather')"]
+        combine_gap = combine_quant_gap(cfg, TORCH_COMBINE_QUANT_TYPES)
+        return missing + ([combine_gap] if combine_gap else [])
 
     def _device(self, cfg: EpDispatchCombineConfig) -> torch.device:
         if dist.get_backend(self.group) == "gloo" or not torch.cuda.is_available():
@@ -38,10 +41,10 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
         return {}  # buffers come from the collectives; no symmetric arena
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena) -> KernelSet:
-        group, spec = self.group, quant_spec(cfg.quant_type)
+        group, spec = self.group, quant_spec(cfg.dispatch_quant_type)
 
         def payload(x, scales):
-            # under quant_type the op makes the fp8 rows and their scales; else they are the caller's
+            # under dispatch_quant_type the op makes the fp8 rows and their scales; else they are the caller's
             return quantize(x, spec, cfg.scale_type_size) if spec is not None else (x, scales)
 
         def moe_outputs(routing, out, out_w, out_s):
