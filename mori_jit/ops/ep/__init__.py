@@ -9,7 +9,8 @@ Map (each folder's ``__init__`` says more)::
       knobs, contract         the op's settings (MORI_EP_*); facts the kernels and checks share
     core/                   the backend-independent op: lifecycle, argument checks, the
                             ranks' agreement on each call, KernelSet (what a backend hands it),
-                            Schedule (which geometry a call launches)
+                            Schedule (which geometry a call launches), mori's call options and
+                            accessors (call_options, op_mori)
     memory/                 the symmetric arena and where its memory comes from: torch
                             symmetric memory, CUDA/HIP IPC, NVSHMEM; what ranks learn of each other
     backends/torch/         the reference backend on torch.distributed collectives

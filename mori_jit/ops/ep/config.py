@@ -142,6 +142,11 @@ class EpDispatchCombineConfig:
         return self.max_total_recv_tokens or self.world_size * self.max_num_inp_token_per_rank
 
     @property
+    def effective_max_recv(self) -> int:
+        """mori's name of :attr:`recv_capacity` (engines read it to bound the rows they process)."""
+        return self.recv_capacity
+
+    @property
     def num_experts(self) -> int:
         """Experts over all ranks (the id range of ``indices``)."""
         return self.num_experts_per_rank * self.world_size

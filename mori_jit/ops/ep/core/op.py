@@ -4,7 +4,8 @@ The base class owns ``dispatch``/``combine``/``_pick``/validation/lifecycle, onc
 supplies three things: ``_regions(cfg)`` (arena region sizes; empty = no arena),
 ``_build_kernels(cfg, arena)`` (a :class:`KernelSet`) and ``_unsupported(cfg)`` (what it cannot do).
 Behaviour differences are data on the KernelSet, not overrides. ``EpDispatchCombineOp(cfg, group)``
-returns the backend's subclass, importing only that backend.
+returns the backend's subclass, importing only that backend. mori's names that the serving
+engines read (``local_expert_count``, ``backend_name``, ...) come from :class:`.op_mori.MoriSurface`.
 
 Order (docs/design.md §6): process group → capability gate → rank cards (configs compared, ranks
 per device, memory kind) → arena → every variant compiled → launches.
@@ -23,6 +24,8 @@ from mori_jit.ops.ep.memory.arena import SymmArena, keep_until_exit
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.core.arguments import agree_on_arguments, byte_span
 from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
+from mori_jit.ops.ep.core.call_options import check_call_options, resolve_group
+from mori_jit.ops.ep.core.op_mori import MoriSurface
 from mori_jit.ops.ep.core.kernel_set import KernelSet
 from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
 from mori_jit.ops.ep.results import EpDispatchResult
@@ -42,11 +45,15 @@ def _backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-class EpDispatchCombineOp(abc.ABC):
-    """Expert-parallel dispatch/combine over ``group`` (None = WORLD). Collective to construct.
+class EpDispatchCombineOp(MoriSurface, abc.ABC):
+    """Expert-parallel dispatch/combine over ``group``: None (WORLD), a torch process group, or a
+    communicator-like object holding one as ``process_group`` (mori's ``mori.cco.Communicator``
+    as :mod:`mori_jit.compat.mori` makes it). Collective to construct.
 
     Use as a context manager or call :meth:`close` to release the arena.
     """
+
+    _backend_paths = _BACKENDS
 
     def __new__(cls, cfg: EpDispatchCombineConfig, group=None):
         if not isinstance(cfg, EpDispatchCombineConfig):  # (before cfg.backend() is asked of it)
@@ -80,7 +87,7 @@ class EpDispatchCombineOp(abc.ABC):
         if not isinstance(cfg, EpDispatchCombineConfig):
             raise EpArgumentTypeError(f"cfg: expected an EpDispatchCombineConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = resolve_group(group)
         ws, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if (ws, rank) != (cfg.world_size, cfg.rank):
             raise EpArgumentError(f"cfg says rank {cfg.rank} of {cfg.world_size}, the process group says {rank} of {ws}")
@@ -109,6 +116,7 @@ class EpDispatchCombineOp(abc.ABC):
         self._routing = None  # the latest dispatch's routing
         # scales=None is refused only where the caller must pass them (check_scales)
         self._scales_required = bool(cfg.scale_dim) and cfg.dispatch_quant_type in (None, "none")
+        self._count_experts = cfg.expert_counts  # (local_expert_count: the latest dispatch's counts)
         # backends whose legs are host collectives agree on the arguments first (see arguments.agree_on_arguments)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
         self._closed = False
@@ -172,25 +180,10 @@ class EpDispatchCombineOp(abc.ABC):
             raise EpStateError("EpDispatchCombineOp is closed")
         self._kernels.reset()
 
-    def get_combine_input_buffer(self) -> torch.Tensor:
-        """A ``[recv_capacity, hidden]`` buffer (combine dtype) an expert may write into: the same
-        tensor on every call (the ``hip`` backend allocates it on the first, outside the symmetric
-        arena, so an op that never asks costs nothing).
-
-        ``combine(buffer[:rows] or buffer, ...)`` reads it in place, as it reads any input (the
-        ``hip`` backend has no staging copy), so it is a convenience: a static address for graph
-        captures and no allocation per step. Only this rank writes it; rows beyond ``total_recv``
-        are ignored.
-        """
-        k = self._live()
-        if k.combine_input_buffer is None:
-            raise EpUnsupportedError(f"{type(self).__name__} has no combine input buffer")
-        return k.combine_input_buffer()
-
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
                  indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
-                 return_result: bool = False):
+                 return_result: bool = False, call_local_expert_count: bool = False):
         """Send each token to the ranks of its top-k experts (once per distinct rank).
 
         Args:
@@ -211,6 +204,8 @@ class EpDispatchCombineOp(abc.ABC):
             return_result: return an :class:`~mori_jit.ops.ep.results.EpDispatchResult` (every
                 output by name, with the expert counts and the expert-major layout the config asks
                 for) instead of the tuple.
+            call_local_expert_count: mori's request for :attr:`local_expert_count`; the op counts
+                on every dispatch when ``cfg.expert_counts`` (refused by name otherwise).
 
         Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
         ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
@@ -219,30 +214,40 @@ class EpDispatchCombineOp(abc.ABC):
         shows only in a later call or :meth:`check` (its outputs are then garbage).
         """
         k = self._live()
+        args = (k, input, weights, scales, indices, routing, call_local_expert_count)
         if self._agree_per_call:
-            n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, k, input,
-                                   weights, scales, indices, routing)
+            n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, *args)
         else:
-            n = self._check_dispatch(k, input, weights, scales, indices, routing)
+            n = self._check_dispatch(*args)
+        v = self._pick(n)
         if routing is None:
-            res = k.dispatch(self._pick(n), input, weights, scales, indices)
+            res = k.dispatch(v, input, weights, scales, indices)
             self._routing = res[5]  # the only routing combine accepts until the next dispatch
         else:
-            res = k.replay(self._pick(n), input, weights, scales, routing)
+            res = k.replay(v, input, weights, scales, routing)
+        if self._count_experts:
+            self._counts = res[6][0]
         if return_result:
             return EpDispatchResult.of(res)
         return res[:6] if return_routing else res[:5]
 
-    def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing) -> int:
+    def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing, count: bool = False) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""
-        return check_dispatch_args(self, k, input, weights, scales, indices, routing)
+        n = check_dispatch_args(self, k, input, weights, scales, indices, routing)
+        check_call_options(self, count=count)
+        return n
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
-                indices: Optional[torch.Tensor] = None, *, routing, out: Optional[torch.Tensor] = None,
-                out_weights: Optional[torch.Tensor] = None):
+                indices: Optional[torch.Tensor] = None, *, routing=None, out: Optional[torch.Tensor] = None,
+                out_weights: Optional[torch.Tensor] = None, use_external_inp_buf: int = -1,
+                call_reset: bool = False):
         """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
 
         ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
+        ``routing``: the latest dispatch's (None: that one, the only one accepted); ``indices`` is
+        unused (mori's signature; the routing carries the mapping). mori's per-call options
+        ``use_external_inp_buf`` (-1, 0 or 1) and ``call_reset`` are accepted with mori's meaning and need nothing done (the input is read in place
+        wherever it lies, and the kernels leave the op ready for the next dispatch).
         Returns ``(out [n, hidden], out_weights [n, k] | None)``, freshly allocated unless the
         caller passes them: ``out`` (combine dtype) and ``out_weights`` (float32, only with
         ``weights``) are written in place and returned, which saves the allocations (host time)
@@ -253,11 +258,17 @@ class EpDispatchCombineOp(abc.ABC):
         call or by :meth:`check` once the device has run it.
         """
         k = self._live()
+        if routing is None:
+            routing = self._routing
+            if routing is None:
+                raise EpStateError("combine: routing=None takes the latest dispatch's routing, and no dispatch has "
+                                   "run on this op yet")
+        options = None if use_external_inp_buf == -1 and call_reset is False else (use_external_inp_buf, call_reset)
+        args = (input, weights, routing, out, out_weights, options)
         if self._agree_per_call:
-            n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, input, weights,
-                                   routing, out, out_weights)
+            n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, *args)
         else:
-            n = self._check_combine(input, weights, routing, out, out_weights)
+            n = self._check_combine(*args)
         return k.combine(self._pick(n), input, weights, routing, out, out_weights)
 
     def combine_expert_major(self, input: torch.Tensor, *, routing, out: Optional[torch.Tensor] = None):
@@ -281,6 +292,8 @@ class EpDispatchCombineOp(abc.ABC):
         n = agree_on_arguments(self.group, "combine", False, check, *args) if self._agree_per_call else check(*args)
         return k.combine_expert_major(self._pick(n), input, routing, out)
 
-    def _check_combine(self, input, weights, routing, out, out_weights) -> int:
+    def _check_combine(self, input, weights, routing, out, out_weights, options: Optional[tuple] = None) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""
-        return check_combine_args(self, input, weights, routing, out, out_weights)
+        n = check_combine_args(self, input, weights, routing, out, out_weights)
+        check_call_options(self, options=options)
+        return n

@@ -41,7 +41,7 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
         return {}  # buffers come from the collectives; no symmetric arena
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena) -> KernelSet:
-        group, spec = self.group, quant_spec(cfg.dispatch_quant_type)
+        group, spec, device = self.group, quant_spec(cfg.dispatch_quant_type), self.device
 
         def payload(x, scales):
             # under dispatch_quant_type the op makes the fp8 rows and their scales; else they are the caller's
@@ -91,6 +91,14 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             y, _ = reference_combine(group, routing, rows, None, cfg.combine_dtype)
             return out.copy_(y) if out is not None else y
 
+        buffer = []  # the combine input buffer, made on first request (an op that never asks costs nothing)
+
+        def combine_input_buffer():
+            if not buffer:
+                buffer.append(torch.empty(cfg.recv_capacity, cfg.hidden_dim, dtype=cfg.combine_dtype, device=device))
+            return buffer[0]
+
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
                          capabilities=frozenset({"scales", "gloo", "nccl", "host_collectives"}),
-                         replay=replay, combine_expert_major=combine_expert_major)
+                         combine_input_buffer=combine_input_buffer, replay=replay,
+                         combine_expert_major=combine_expert_major)
