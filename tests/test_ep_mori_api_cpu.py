@@ -1,10 +1,11 @@
-"""CPU tests of what mori's op API adds to the EP op (the torch backend on gloo): a communicator
-for a group, ``effective_max_recv``, combine's optional routing, ``call_local_expert_count``/
-``local_expert_count``, ``get_registered_combine_input_buffer``, combine's
-``use_external_inp_buf``/``call_reset``, ``backend_name`` and the combine-wire ``quant_type``
-refused at construction."""
+"""CPU tests of what mori's op API adds to the EP op (the torch backend on gloo, and the schedule's
+geometry lookup): a communicator for a group, ``effective_max_recv``, combine's optional routing,
+``call_local_expert_count``/``local_expert_count``, per-call geometry honoured or refused by name,
+``get_registered_combine_input_buffer``, combine's ``use_external_inp_buf``/``call_reset``,
+``backend_name`` and the combine-wire ``quant_type`` refused at construction."""
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from mori_jit.ops.ep import (EpArgumentError, EpArgumentTypeError, EpDispatchCombineConfig, EpDispatchCombineOp,
                              EpStateError, EpUnsupportedError)
+from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.testing.distributed import run_distributed
 from mori_jit.testing.golden import golden_check, make_inputs
 
@@ -71,6 +73,15 @@ def _api_job(rank, ws):
             op.combine(buf, out_w, use_external_inp_buf=2)
         with pytest.raises(EpArgumentTypeError, match="call_reset=1: expected True or False"):
             op.combine(buf, out_w, call_reset=1)
+        # a geometry no built variant has (the torch backend launches none) and network blocks
+        with pytest.raises(EpArgumentError, match=r"dispatch: block_num=80, warp_per_block=16: no dispatch variant "
+                                                  r"built .* \[\(0, 0\)\]"):
+            _step(op, rank, ws, gen, M, block_num=80, warp_per_block=16)
+        with pytest.raises(EpUnsupportedError, match="combine: rdma_block_num=8: the kernels give no blocks"):
+            op.combine(buf, out_w, rdma_block_num=8)
+        with pytest.raises(EpArgumentTypeError, match=r"block_num='8': expected an int"):
+            op.combine(buf, out_w, block_num="8")
+        _step(op, rank, ws, gen, M, block_num=0, rdma_block_num=-1, warp_per_block=None)  # (<= 0, None: the op's)
     with EpDispatchCombineOp(_cfg(rank, ws)) as op:  # no counts asked for in the config
         with pytest.raises(EpUnsupportedError, match="call_local_expert_count=True: .*expert_counts=True"):
             _step(op, rank, ws, gen, M, call_local_expert_count=True)
@@ -83,3 +94,49 @@ def _api_job(rank, ws):
 
 def test_mori_call_options_on_the_torch_backend():
     run_distributed(_api_job, 2, timeout=180)
+
+
+def _geometry_job(rank, ws):
+    """A call that names a built geometry launches that variant: the torch backend's kernel set
+    with a three-bucket schedule in place of its own, recording the bucket each call launches."""
+    gen = torch.Generator().manual_seed(11 + rank)
+    with EpDispatchCombineOp(_cfg(rank, ws)) as op:
+        k, launched = op._kernels, []
+
+        def record(leg, fn):
+            def call(v, *args):
+                launched.append((leg, v))
+                return fn(v, *args)
+            return call
+
+        sched = Schedule((4, 8, None), ((8, 2), (16, 4), (32, 4)), ((8, 4), (16, 4), (16, 8)))
+        op._kernels = dataclasses.replace(k, schedule=sched, dispatch=record("dispatch", k.dispatch),
+                                          combine=record("combine", k.combine))
+        op._pick = sched.index
+        x, w, idx = make_inputs(rank, M, H, K, op.cfg.num_experts, torch.bfloat16, op.device, gen)
+        for geometry, want in (({}, 2), (dict(block_num=16), 1), (dict(warp_per_block=2), 0),
+                               (dict(block_num=32, warp_per_block=4), 2)):
+            launched.clear()
+            out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True, **geometry)
+            y, y_w = op.combine(out, out_w, routing=routing, block_num=16, warp_per_block=8)
+            assert launched == [("dispatch", want), ("combine", 2)], (geometry, launched)
+            golden_check(op.group, rank, ws, M, EPR, x, w, idx, out, out_w, out_idx, total, routing.recv_src, y, y_w)
+        with pytest.raises(EpArgumentError, match=r"combine: block_num=32, warp_per_block=-1: no combine variant .* "
+                                                  r"\[\(8, 4\), \(16, 4\), \(16, 8\)\]"):
+            op.combine(out, out_w, routing=routing, block_num=32)
+        op._kernels = k  # (the backend's own, for close)
+
+
+def test_per_call_geometry_launches_a_built_variant():
+    run_distributed(_geometry_job, 2, timeout=120)
+
+
+def test_schedule_find_keeps_to_the_calls_own_bucket_and_group():
+    s = Schedule((4, 8, None), ((8, 2), (16, 4), (8, 2)), ((8, 4),) * 3)
+    assert s.find("dispatch", 10, 8, 2) == 2  # its own bucket has the geometry
+    assert s.find("dispatch", 10, 16, -1) == 1 and s.find("dispatch", 1, -1, 4) == 1
+    assert s.find("dispatch", 1, 32, -1) is None and s.find("combine", 1, -1, 4) == 0
+    # buckets of another group (another internode family) are never taken
+    g = dataclasses.replace(s, groups=("v2_ll", "v2_ll", "v2"))
+    assert g.find("dispatch", 1, 16, 4) == 1 and g.find("dispatch", 10, 16, 4) is None
+    assert g.find("dispatch", 10, 8, 2) == 2 and g.find("dispatch", 1, 8, 2) == 0

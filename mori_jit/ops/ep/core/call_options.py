@@ -1,17 +1,18 @@
-"""What mori's op API adds to a call, beyond the tensors: the group given as a communicator, the
-local expert counts asked for, the combine input's mode and reset flag, and the registered combine
-input buffer's request. Each check names the argument, the value and what is allowed; the default of
-every option costs the caller nothing (the op tests it before calling here)."""
+"""What mori's op API adds to a call, beyond the tensors: the group given as a communicator, a
+geometry named per call, the combine input's mode and reset flag, and the registered combine input
+buffer's request. Each check names the argument, the value and what is allowed; the default of
+every option costs the caller nothing (the op tests for it inline before calling here)."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch.distributed as dist
 
+from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpUnsupportedError
 
-__all__ = ["COMMUNICATOR_ATTR", "resolve_group", "check_combine_options", "check_call_options",
-           "check_buffer_request"]
+__all__ = ["COMMUNICATOR_ATTR", "resolve_group", "pick_geometry", "check_combine_options",
+           "check_call_options", "check_buffer_request"]
 
 #: The attribute of a communicator-like object (mori's ``mori.cco.Communicator`` as
 #: :mod:`mori_jit.compat.mori.cco` makes it) that holds the torch process group it runs on.
@@ -29,6 +30,33 @@ def resolve_group(group: Any):
     return inner if inner is not None else group
 
 
+def _count(name: str, value: Any) -> int:
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EpArgumentTypeError(f"{name}={value!r}: expected an int (-1 or <= 0: the op's own choice)")
+    return value
+
+
+def pick_geometry(schedule: Schedule, leg: str, num_tokens: int, block_num: Any, rdma_block_num: Any,
+                  warp_per_block: Any) -> int:
+    """The bucket a call that names a geometry launches (mori's per-call ``block_num``,
+    ``rdma_block_num``, ``warp_per_block``; a value ``<= 0`` or None leaves that one to the op).
+    Only a variant built at construction can serve it: nothing compiles on the call path."""
+    blocks, rdma, warps = (_count(n, v) for n, v in (("block_num", block_num), ("rdma_block_num", rdma_block_num),
+                                                      ("warp_per_block", warp_per_block)))
+    if rdma > 0:
+        raise EpUnsupportedError(f"{leg}: rdma_block_num={rdma}: the kernels give no blocks to the network apart "
+                                 f"from the others (each leg is one kernel); pass -1")
+    found = schedule.find(leg, num_tokens, blocks, warps)
+    if found is None:
+        built = sorted(set(schedule.dispatch if leg == "dispatch" else schedule.combine))
+        raise EpArgumentError(f"{leg}: block_num={blocks}, warp_per_block={warps}: no {leg} variant built for this op "
+                              f"has that geometry (built, as (blocks, warps): {built}); nothing compiles on a call: "
+                              f"pin the geometry in the config (block and warp fields, or schedule), or pass -1")
+    return found
+
+
 def check_combine_options(use_external_inp_buf: Any, call_reset: Any) -> None:
     """mori's ``combine(use_external_inp_buf=, call_reset=)``. Both modes of the input are served as
     they are (the combine reads its input in place, wherever it lies), and no reset is needed
@@ -43,16 +71,20 @@ def check_combine_options(use_external_inp_buf: Any, call_reset: Any) -> None:
         raise EpArgumentTypeError(f"call_reset={call_reset!r}: expected True or False")
 
 
-def check_call_options(op, count: bool = False, options: Optional[tuple] = None) -> None:
+def check_call_options(op, schedule: Schedule, leg: str, num_tokens: int, geometry: Optional[tuple],
+                       count: bool = False, options: Optional[tuple] = None) -> None:
     """The mori options of one call of ``op`` (part of the call's checks, so that a backend whose
     ranks agree on their arguments first refuses them on every rank): ``count`` (dispatch's
-    ``call_local_expert_count``), combine's ``options`` ``(use_external_inp_buf, call_reset)``
-    when not the defaults."""
+    ``call_local_expert_count``), the ``geometry`` ``(block_num, rdma_block_num, warp_per_block)``
+    when one is named, combine's ``options`` ``(use_external_inp_buf, call_reset)`` when not the
+    defaults."""
     if count and not op.cfg.expert_counts:
         raise EpUnsupportedError("call_local_expert_count=True: the op counts local experts only with "
                                  "EpDispatchCombineConfig.expert_counts=True")
     if options is not None:
         check_combine_options(*options)
+    if geometry is not None:
+        pick_geometry(schedule, leg, num_tokens, *geometry)
 
 
 def check_buffer_request(cfg, dtype, hidden_dim: Any) -> None:

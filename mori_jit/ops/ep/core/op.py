@@ -24,7 +24,7 @@ from mori_jit.ops.ep.memory.arena import SymmArena, keep_until_exit
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.core.arguments import agree_on_arguments, byte_span
 from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
-from mori_jit.ops.ep.core.call_options import check_call_options, resolve_group
+from mori_jit.ops.ep.core.call_options import check_call_options, pick_geometry, resolve_group
 from mori_jit.ops.ep.core.op_mori import MoriSurface
 from mori_jit.ops.ep.core.kernel_set import KernelSet
 from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
@@ -183,7 +183,8 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
                  indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
-                 return_result: bool = False, call_local_expert_count: bool = False):
+                 return_result: bool = False, call_local_expert_count: bool = False, block_num: int = -1,
+                 rdma_block_num: int = -1, warp_per_block: int = -1):
         """Send each token to the ranks of its top-k experts (once per distinct rank).
 
         Args:
@@ -206,6 +207,9 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
                 for) instead of the tuple.
             call_local_expert_count: mori's request for :attr:`local_expert_count`; the op counts
                 on every dispatch when ``cfg.expert_counts`` (refused by name otherwise).
+            block_num, rdma_block_num, warp_per_block: mori's per-call geometry (-1: the op's
+                choice): a geometry one of the op's built variants has is launched; any other is
+                refused by name (nothing compiles on a call; the kernels have no network blocks).
 
         Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
         ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
@@ -214,12 +218,15 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
         shows only in a later call or :meth:`check` (its outputs are then garbage).
         """
         k = self._live()
-        args = (k, input, weights, scales, indices, routing, call_local_expert_count)
+        # (mori's -1 each: the common case, tested inline within the call's host budget)
+        geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
+            (block_num, rdma_block_num, warp_per_block)
+        args = (k, input, weights, scales, indices, routing, call_local_expert_count, geometry)
         if self._agree_per_call:
             n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, *args)
         else:
             n = self._check_dispatch(*args)
-        v = self._pick(n)
+        v = self._pick(n) if geometry is None else pick_geometry(k.schedule, "dispatch", n, *geometry)
         if routing is None:
             res = k.dispatch(v, input, weights, scales, indices)
             self._routing = res[5]  # the only routing combine accepts until the next dispatch
@@ -231,22 +238,24 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
             return EpDispatchResult.of(res)
         return res[:6] if return_routing else res[:5]
 
-    def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing, count: bool = False) -> int:
+    def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing, count: bool = False,
+                        geometry: Optional[tuple] = None) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""
         n = check_dispatch_args(self, k, input, weights, scales, indices, routing)
-        check_call_options(self, count=count)
+        check_call_options(self, k.schedule, "dispatch", n, geometry, count=count)
         return n
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
                 indices: Optional[torch.Tensor] = None, *, routing=None, out: Optional[torch.Tensor] = None,
-                out_weights: Optional[torch.Tensor] = None, use_external_inp_buf: int = -1,
-                call_reset: bool = False):
+                out_weights: Optional[torch.Tensor] = None, block_num: int = -1, rdma_block_num: int = -1,
+                warp_per_block: int = -1, use_external_inp_buf: int = -1, call_reset: bool = False):
         """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
 
         ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
         ``routing``: the latest dispatch's (None: that one, the only one accepted); ``indices`` is
-        unused (mori's signature; the routing carries the mapping). mori's per-call options
-        ``use_external_inp_buf`` (-1, 0 or 1) and ``call_reset`` are accepted with mori's meaning and need nothing done (the input is read in place
+        unused (mori's signature; the routing carries the mapping). mori's per-call options: the
+        geometry as in :meth:`dispatch`; ``use_external_inp_buf`` (-1, 0 or 1) and ``call_reset``
+        are accepted with mori's meaning and need nothing done (the input is read in place
         wherever it lies, and the kernels leave the op ready for the next dispatch).
         Returns ``(out [n, hidden], out_weights [n, k] | None)``, freshly allocated unless the
         caller passes them: ``out`` (combine dtype) and ``out_weights`` (float32, only with
@@ -263,13 +272,16 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
             if routing is None:
                 raise EpStateError("combine: routing=None takes the latest dispatch's routing, and no dispatch has "
                                    "run on this op yet")
+        geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
+            (block_num, rdma_block_num, warp_per_block)
         options = None if use_external_inp_buf == -1 and call_reset is False else (use_external_inp_buf, call_reset)
-        args = (input, weights, routing, out, out_weights, options)
+        args = (input, weights, routing, out, out_weights, geometry, options)
         if self._agree_per_call:
             n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, *args)
         else:
             n = self._check_combine(*args)
-        return k.combine(self._pick(n), input, weights, routing, out, out_weights)
+        v = self._pick(n) if geometry is None else pick_geometry(k.schedule, "combine", n, *geometry)
+        return k.combine(v, input, weights, routing, out, out_weights)
 
     def combine_expert_major(self, input: torch.Tensor, *, routing, out: Optional[torch.Tensor] = None):
         """Sum each token's expert outputs given in the expert-major layout (``cfg.expert_capacity``).
@@ -292,8 +304,9 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
         n = agree_on_arguments(self.group, "combine", False, check, *args) if self._agree_per_call else check(*args)
         return k.combine_expert_major(self._pick(n), input, routing, out)
 
-    def _check_combine(self, input, weights, routing, out, out_weights, options: Optional[tuple] = None) -> int:
+    def _check_combine(self, input, weights, routing, out, out_weights, geometry: Optional[tuple] = None,
+                       options: Optional[tuple] = None) -> int:
         """Raise TypeError/ValueError naming a bad argument; return the token count."""
         n = check_combine_args(self, input, weights, routing, out, out_weights)
-        check_call_options(self, options=options)
+        check_call_options(self, self._kernels.schedule, "combine", n, geometry, options=options)
         return n
