@@ -29,6 +29,8 @@ own folder, from folders below it in this list, or from the top files of ``ops/e
     backends/*  →  core  →  memory  →  ops/ep top files  →  mori_jit.jit
 
 ``core`` names its backends by module path only (``core/op.py``'s ``_BACKENDS``), never by import.
+:mod:`mori_jit.compat` (mori's API for the serving engines) builds on this package; nothing here
+imports it.
 Golden checks live in :mod:`mori_jit.testing`, the worked MoE block in :mod:`mori_jit.examples`.
 
 Importing this package imports neither torch nor a backend: the spec registry walks it to find
