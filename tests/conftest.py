@@ -7,7 +7,7 @@
 * ``fake_cc``: the fake compiler (``tests/fake_compiler.py``) as both nvcc and hipcc;
 * ``no_compilers``: a machine with neither hipcc nor nvcc installed (the fake stays usable through
   ``MORI_JIT_HIPCC``/``MORI_JIT_NVCC``);
-* ``src_copy``: a private copy of ``kernels/`` and ``templates/`` used through ``MORI_SOURCE_ROOT``.
+* ``src_copy``: a private copy of ``kernels/`` and ``templates/`` used through ``MORI_JIT_SOURCE_ROOT``.
 
 The ``gpu`` marker is registered in ``pyproject.toml``; gpu tests skip themselves without a GPU.
 """
@@ -96,11 +96,11 @@ def no_compilers(monkeypatch, tmp_path) -> Path:
 
 @pytest.fixture
 def src_copy(monkeypatch, tmp_path) -> Path:
-    """A copy of the source tree (``kernels/``, ``templates/``) selected with MORI_SOURCE_ROOT."""
+    """A copy of the source tree (``kernels/``, ``templates/``) selected with MORI_JIT_SOURCE_ROOT."""
     root = tmp_path / "src-root"
     for d in ("kernels", "templates"):
         shutil.copytree(REPO / d, root / d)
-    monkeypatch.setenv("MORI_SOURCE_ROOT", str(root))
+    monkeypatch.setenv("MORI_JIT_SOURCE_ROOT", str(root))
     return root
 
 

@@ -14,8 +14,12 @@ at them with ``MORI_JIT_NVCC`` / ``MORI_JIT_HIPCC``). Stdlib only.
   without ``-rdc=true`` is refused (stricter than nvlink, which links one with nothing to resolve:
   a kernel calling into a library compiles only as relocatable code, so such an object here means
   the compile step lost the flag). ``FAKE_CC_LINK_FAIL=msg`` fails only this step.
+* ``-save-temps``: also write intermediate files (``<source stem>.ii`` and ``.s``) into the working
+  directory, as hipcc and nvcc do.
 * ``FAKE_CC_FAIL=msg``: print ``msg`` on stderr and exit 1 (writes nothing).
 * ``FAKE_CC_SLEEP=seconds``: sleep that long before writing.
+* ``FAKE_CC_SLEEP_IN_CHILD=path``: that sleep runs in a child process (as nvcc runs cicc and ptxas,
+  and hipcc clang), whose pid is appended to ``path``, one a line.
 * ``FAKE_CC_DIE=1``: write half of the output, then SIGKILL itself.
 * ``FAKE_CC_LOG=path``: append one JSON line per invocation (argv, cwd, ``HIP_PLATFORM``, pid).
 """
@@ -25,6 +29,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -111,10 +116,21 @@ def main(argv: list[str]) -> int:
         print(msg, file=sys.stderr)
         return 1
     delay = float(os.environ.get("FAKE_CC_SLEEP") or 0)
-    if delay > 0:
+    child_log = os.environ.get("FAKE_CC_SLEEP_IN_CHILD")
+    if delay > 0 and child_log:
+        child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({delay})"])
+        with open(child_log, "a") as f:
+            f.write(f"{child.pid}\n")
+        child.wait()
+    elif delay > 0:
         time.sleep(delay)
     with open(src, "rb") as f:
         data = output_for(f.read(), relocatable="-rdc=true" in argv)
+    if "-save-temps" in argv:
+        stem = os.path.splitext(os.path.basename(src))[0]
+        for ext in (".ii", ".s"):
+            with open(stem + ext, "wb") as f:
+                f.write(data)
     with open(out, "wb") as f:
         if os.environ.get("FAKE_CC_DIE") not in (None, "", "0"):
             f.write(data[: len(data) // 2])

@@ -1,4 +1,4 @@
-"""CPU test of tools/bench_ep.py's report: the derived columns are computed from the raw times."""
+"""CPU test of scripts/bench_ep.py's report: the derived columns are computed from the raw times."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +9,7 @@ from mori_jit.testing.distributed import run_distributed
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_ep", REPO / "tools" / "bench_ep.py")
+    spec = importlib.util.spec_from_file_location("bench_ep", REPO / "scripts" / "bench_ep.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -55,7 +55,7 @@ def test_gpu_scripts_import_and_refuse_cleanly_without_enough_gpus(capsys):
     for path, args in (("profile_ep_host", ["--tokens", "8", "--reps", "10"]),
                        ("probes/probe_link_rates", ["--mib", "1"])):
         name = path.rsplit("/", 1)[-1]
-        spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{path}.py")
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{path}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         if name == "profile_ep_host" and torch.cuda.is_available():

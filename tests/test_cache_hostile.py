@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import unix_users
+from conftest import REPO, TESTS
 from fake_compiler import output_for
 from mori_jit.cli import main
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg, AxpyDType
@@ -179,6 +180,16 @@ def test_read_only_cache_of_another_user_serves_hits_and_render(fake_cc, capsys,
     owner, reader = users["mori-jit-test-owner"], users["mori-jit-test-reader"]
     base = unix_users.shared_tmpdir()
     try:
+        # the reader needs the compiler (its path is checked) and the sources (rendered, hashed): copies
+        # it can read, as the checkout may sit in a folder only its owner enters
+        shared = unix_users.readable_copy({"kernels": REPO / "kernels", "templates": REPO / "templates",
+                                           "bin": fake_cc.nvcc.parent, "fake_compiler.py": TESTS / "fake_compiler.py"},
+                                          base / "src")
+        lost = unix_users.unreachable(reader, list(shared.values()))
+        if lost:
+            pytest.skip(f"the second user cannot read the copies under {base}: {', '.join(lost)}")
+        monkeypatch.setenv("MORI_JIT_NVCC", str(shared["bin"] / fake_cc.nvcc.name))
+        monkeypatch.setenv("MORI_JIT_SOURCE_ROOT", str(base / "src"))
         root = base / "team-cache"
         monkeypatch.setenv("MORI_JIT_CACHE_DIR", str(root))
         entry = _build()

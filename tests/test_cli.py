@@ -56,7 +56,7 @@ def test_info_with_arch(fake_cc, capsys, monkeypatch):
 
 def test_info_source_root_from_env(fake_cc, capsys, src_copy):
     rc, out, _ = run(capsys, "info", "--arch", "gfx90a")
-    assert rc == 0 and f"source root: {src_copy} (MORI_SOURCE_ROOT)" in out
+    assert rc == 0 and f"source root: {src_copy} (MORI_JIT_SOURCE_ROOT)" in out
     assert f"compiler:    {fake_cc.hipcc}" in out
 
 
@@ -172,7 +172,7 @@ def test_precompile_failure_reports_every_kernel_and_one_error_line(fake_cc, cap
     monkeypatch.setenv("FAKE_CC_FAIL", "fatal error: platform.hpp: No such file")
     rc, out, err = run(capsys, "precompile", *ARCH)
     n = len(precompile_targets(make_toolchain("sm_90a"), {}))
-    assert_one_line_error(rc, err, f"{n} of {n} kernels failed to compile")
+    assert_one_line_error(rc, err, f"{n} of {n} kernels failed to build")
     status_lines = [ln for ln in out.splitlines() if ln.startswith("[")]
     assert len(status_lines) == n and all(" FAILED " in ln and "No such file" in ln for ln in status_lines)
 
@@ -226,7 +226,8 @@ def test_cache_verify_reports_meta_problems(fake_cc, capsys):
     (["render", "nope", *ARCH], "unknown spec 'nope'; known specs: "),
     (["key", "example_axpy", *ARCH, "--set", "bogus=1"], "valid fields: dtype, vecElems, blockSize, blockNum"),
     (["compile", "example_axpy", *ARCH, "--set", "vecElems=3"], "invalid AxpyCfg"),
-    (["render", "example_axpy", *ARCH, "--set", "dtype=fp64"], "'fp64' is not a AxpyDType"),
+    (["render", "example_axpy", *ARCH, "--set", "dtype=fp64"],
+     "AxpyCfg.dtype: 'fp64' is not an AxpyDType; allowed: Bf16, Fp32"),
     (["render", "example_axpy", *ARCH, "--set", "blockNum=lots"], "AxpyCfg.blockNum"),
     (["render", "example_axpy", *ARCH, "--set", "blockNum"], "--set expects FIELD=VALUE"),
     (["describe", "ep_dispatch", *ARCH, "--set", "hiddenDim=7"], "multiple of 16"),

@@ -100,15 +100,12 @@ def _expect(exc_type, fn, *args, match: str | None = None, **kwargs):
 def _errors_job(rank, ws):
     gen = torch.Generator().manual_seed(4242 + rank)
 
-    # -- too many received rows: raised on the overflowing rank only, after the exchange, so the
-    #    other rank returns normally and later collectives stay matched.
+    # -- too many received rows: raised on every rank from the gathered counts, before any row
+    #    moves, so later collectives stay matched.
     x, w, idx = make_inputs(rank, M, HIDDEN, 2, EPR * ws, torch.bfloat16, "cpu", gen,
                             all_to_rank=0, world_size=ws)
-    if rank == 0:
-        _expect(RuntimeError, reference_dispatch, None, rank, ws, M, EPR, x, w, None, idx, M,
-                match=f"received {ws * M} rows but recv_capacity is {M}")
-    else:
-        reference_dispatch(None, rank, ws, M, EPR, x, w, None, idx, M)
+    _expect(RuntimeError, reference_dispatch, None, rank, ws, M, EPR, x, w, None, idx, M,
+            match=f"EP dispatch: rank 0 would receive {ws * M} rows, but recv_capacity is {M}; no row was sent")
 
     # -- input validation happens before any collective (every rank raises alike).
     xb, wb, ib = make_inputs(rank, M + 1, HIDDEN, 2, EPR * ws, torch.float32, "cpu", gen)

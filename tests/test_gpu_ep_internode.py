@@ -5,7 +5,7 @@ Nodes are made by ``gpu_per_node``: a peer on another "node" is reached only by 
 the same node by plain stores, so with several PEs on one GPU every network put still goes through
 the engine's API (carried by its P2P transport, not RDMA). Ranks that share a GPU run under CUDA MPS
 with each rank's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` set (``mori_jit/testing/gpu_world_shmem.py``).
-Every check is the golden check (``mori_jit/ops/ep/golden.py``) on fresh random data with the
+Every check is the golden check (``mori_jit/testing/golden.py``) on fresh random data with the
 outputs poisoned first, most also against the ``torch`` backend.
 """
 from __future__ import annotations

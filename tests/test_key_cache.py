@@ -96,7 +96,7 @@ def test_extra_flags_change_the_key(fake_cc, monkeypatch):
 
 def test_nic_changes_the_key_and_the_directory(fake_cc, monkeypatch):
     k0 = _key()
-    monkeypatch.setenv("MORI_DEVICE_NIC", "mlx5")
+    monkeypatch.setenv("MORI_JIT_DEVICE_NIC", "mlx5")
     assert _key() != k0
     entry = build(AXPY, AxpyCfg(), make_toolchain("sm_90a"))
     assert entry.path.parent.name == "sm_90a_mlx5"
@@ -171,9 +171,9 @@ def test_moving_the_source_tree_does_not_change_the_key(fake_cc, monkeypatch, tm
         root = tmp_path / where
         for d in ("kernels", "templates"):
             shutil.copytree(REPO / d, root / d)
-        monkeypatch.setenv("MORI_SOURCE_ROOT", str(root))
+        monkeypatch.setenv("MORI_JIT_SOURCE_ROOT", str(root))
         keys[where] = {s.name: _key(s) for s in all_specs()}
-    monkeypatch.delenv("MORI_SOURCE_ROOT")
+    monkeypatch.delenv("MORI_JIT_SOURCE_ROOT")
     keys["checkout"] = {s.name: _key(s) for s in all_specs()}
     assert keys["a/deep/er"] == keys["b"] == keys["checkout"]
 
@@ -219,7 +219,7 @@ def test_new_field_with_behaviour_keeping_default_keeps_text_and_key(fake_cc, mo
     (root / "templates").mkdir()
     (root / "kernels" / "toy" / "toy.hpp").write_text("// hand-written toy body\n")
     (root / "templates" / "toy.hip.j2").write_text(TOY_TEMPLATE)
-    monkeypatch.setenv("MORI_SOURCE_ROOT", str(root))
+    monkeypatch.setenv("MORI_JIT_SOURCE_ROOT", str(root))
 
     def v1():
         @dataclasses.dataclass(frozen=True)
@@ -402,7 +402,7 @@ def test_wheel_ships_sources_and_keys_match_the_checkout(fake_cc, tmp_path):
     code = ("from mori_jit.jit import paths, compile, toolchain; from mori_jit.examples.axpy_spec import AXPY, AxpyCfg;"
             "tc = toolchain.make_toolchain('sm_90a');"
             "print(paths.source_root()); print(compile.resolve(AXPY, AxpyCfg(), tc).key)")
-    env = {k: v for k, v in os.environ.items() if k != "MORI_SOURCE_ROOT"}
+    env = {k: v for k, v in os.environ.items() if k != "MORI_JIT_SOURCE_ROOT"}
     env["PYTHONPATH"] = str(site)
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)

@@ -24,7 +24,7 @@ def test_every_variable_is_declared_once_with_a_doc():
 
 def test_the_ep_ops_settings_live_in_its_package():
     assert ep_knobs.ep in knobs.all_groups()
-    assert {s.var for s in ep_knobs.ep.settings()} == {"MORI_V2_KERNEL_BACKEND", "MORI_EP_TIMEOUT_S", "MORI_V2_EP_",
+    assert {s.var for s in ep_knobs.ep.settings()} == {"MORI_EP_KERNEL_BACKEND", "MORI_EP_TIMEOUT_S", "MORI_EP_CFG_",
                                                       "MORI_EP_TEST_WORLD_SIZES", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
     assert not any(s.var.startswith(("MORI_V2_", "MORI_EP_")) for g in (knobs.compiler, knobs.source, knobs.cache,
                                                                        knobs.log) for s in g.settings())
@@ -51,7 +51,7 @@ def test_values_are_read_at_access_time(monkeypatch, tmp_path):
     ("MORI_JIT_VERBOSE", "verbose", "no", 0),
     ("MORI_JIT_LOCK_TIMEOUT_S", "lock_timeout_s", "2.5", 2.5),
     ("MORI_JIT_EXTRA_FLAGS", "extra_flags", "-DA=1 '-DB=two words'", ("-DA=1", "-DB=two words")),
-    ("MORI_DEVICE_NIC", "device_nic", "mlx5_0", "mlx5_0"),
+    ("MORI_JIT_DEVICE_NIC", "device_nic", "mlx5_0", "mlx5_0"),
 ])
 def test_typed_values(monkeypatch, var, attr, text, value):
     monkeypatch.setenv(var, text)
@@ -62,7 +62,7 @@ def test_typed_values(monkeypatch, var, attr, text, value):
 @pytest.mark.parametrize("var, attr, text, fragment", [
     ("MORI_JIT_LOCK_TIMEOUT_S", "lock_timeout_s", "soon", "MORI_JIT_LOCK_TIMEOUT_S='soon' is not a number"),
     ("MORI_JIT_LOCK_TIMEOUT_S", "lock_timeout_s", "-1", "MORI_JIT_LOCK_TIMEOUT_S='-1' must be > 0"),
-    ("MORI_DEVICE_NIC", "device_nic", "a/b", "MORI_DEVICE_NIC='a/b': only letters, digits"),
+    ("MORI_JIT_DEVICE_NIC", "device_nic", "a/b", "MORI_JIT_DEVICE_NIC='a/b': only letters, digits"),
     ("MORI_EP_TIMEOUT_S", "timeout_s", "0", "MORI_EP_TIMEOUT_S='0' must be > 0"),
 ])
 def test_bad_values_name_the_variable(monkeypatch, var, attr, text, fragment):
@@ -73,15 +73,36 @@ def test_bad_values_name_the_variable(monkeypatch, var, attr, text, fragment):
 
 
 def test_prefix_family(monkeypatch):
-    monkeypatch.setenv("MORI_V2_EP_COMBINE_BLOCKNUM", "64")
-    monkeypatch.setenv("MORI_V2_EP_VECUNROLL", "")  # empty: skipped
+    monkeypatch.setenv("MORI_EP_CFG_COMBINE_BLOCKNUM", "64")
+    monkeypatch.setenv("MORI_EP_CFG_VECUNROLL", "")  # empty: skipped
     assert ep_knobs.ep.cfg_overrides == {"COMBINE_BLOCKNUM": "64"}
     family = ep_knobs.EpKnobs.cfg_overrides
-    assert family.matches("MORI_V2_EP_X") and not family.matches("MORI_V2_EP_") and family.label == "MORI_V2_EP_*"
+    assert family.matches("MORI_EP_CFG_X") and not family.matches("MORI_EP_CFG_")
+    assert family.label == "MORI_EP_CFG_* | MORI_V2_EP_*"
+
+
+def test_the_ops_variables_share_one_prefix_and_read_moris_names_as_aliases(monkeypatch):
+    ep = ep_knobs.EpKnobs
+    assert all(s.var.startswith("MORI_EP_") for s in ep.settings(ep_knobs.ep) if s.var.startswith("MORI_"))
+    assert not [s.var for s in knobs.all_settings() if s.var.startswith("MORI_") and
+                not s.var.startswith(("MORI_JIT_", "MORI_EP_"))]
+    monkeypatch.setenv("MORI_V2_KERNEL_BACKEND", "torch")  # mori's name
+    assert ep_knobs.ep.kernel_backend == "torch" and ep.kernel_backend.is_set()
+    monkeypatch.setenv("MORI_EP_KERNEL_BACKEND", "hip")  # the own name wins
+    assert ep_knobs.ep.kernel_backend == "hip"
+    monkeypatch.setenv("MORI_V2_EP_BLOCKNUM", "8")
+    monkeypatch.setenv("MORI_V2_EP_VECUNROLL", "2")
+    monkeypatch.setenv("MORI_EP_CFG_BLOCKNUM", "16")
+    assert ep_knobs.ep.cfg_overrides == {"BLOCKNUM": "16", "VECUNROLL": "2"}
+    monkeypatch.setenv("MORI_SOURCE_ROOT", "/nowhere")  # the framework's old names likewise
+    assert str(knobs.source.root) == "/nowhere"
+    monkeypatch.setenv("MORI_DEVICE_NIC", "a/b")  # a bad value names the variable that was set
+    with pytest.raises(ValueError, match=r"MORI_DEVICE_NIC='a/b'.*read as MORI_JIT_DEVICE_NIC"):
+        knobs.compiler.device_nic
 
 
 def test_info_lists_every_setting_from_its_declaration(fake_cc, capsys, monkeypatch):
-    monkeypatch.setenv("MORI_V2_EP_BLOCKNUM", "32")
+    monkeypatch.setenv("MORI_EP_CFG_BLOCKNUM", "32")
     assert main(["info", "--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
     table = out[out.index("settings ("):]
@@ -90,7 +111,7 @@ def test_info_lists_every_setting_from_its_declaration(fake_cc, capsys, monkeypa
         for s in g.settings():
             assert re.search(rf"^    {re.escape(s.label)}\s+{s.type_name}\s+{re.escape(s.doc)}; default: "
                              rf"{re.escape(s.default_text())}$", table, re.M), s.var
-    assert "    MORI_V2_EP_BLOCKNUM=32" in out and "unrecognised" not in out
+    assert "    MORI_EP_CFG_BLOCKNUM=32" in out and "unrecognised" not in out
 
 
 def test_no_module_reads_the_environment_but_knobs():

@@ -1,5 +1,5 @@
 """Real compilers: Debian's hipcc (gfx90a, gfx940) and nvcc (sm_90a) build example_axpy for every dtype
-(and nvcc the push probe, tools/probes/probe_push_modes.cu).
+(and nvcc the push probe, scripts/probes/probe_push_modes.cu).
 
 The entry symbol named by ``spec.entry_name(cfg)`` must be a FUNC in the binary's ELF symbol table:
 the cubin is read directly; the hipcc ``--genco`` output (a clang offload bundle with Debian's HIP
@@ -81,11 +81,11 @@ def test_hipcc_builds_axpy(arch, dtype, tmp_path):
 
 
 def test_nvcc_builds_the_push_probe(tmp_path):
-    """tools/probes/probe_push_modes.cu (a standalone CUDA probe) still builds, its bulk-copy kernel
+    """scripts/probes/probe_push_modes.cu (a standalone CUDA probe) still builds, its bulk-copy kernel
     really uses the bulk-copy unit (its `tma` rows) and its task kernels the store each `task` row
     names (docs/performance.md, "Store cache operators")."""
     tc = toolchain_or_skip("sm_90a")
-    src = Path(__file__).resolve().parents[1] / "tools" / "probes" / "probe_push_modes.cu"
+    src = Path(__file__).resolve().parents[1] / "scripts" / "probes" / "probe_push_modes.cu"
     text = nvcc_ptx(tc, src, tmp_path / "probe.ptx")
     assert "cp.async.bulk.global.shared::cta.bulk_group" in text and "cp.async.bulk.shared::cluster.global" in text
     assert "st.global.v4" in text  # the 16-byte stores of the st128 rows

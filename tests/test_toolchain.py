@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from mori_jit.examples.axpy_spec import AXPY
 from mori_jit.jit import toolchain as tcm
+from mori_jit.jit.archs import ARCH_PATTERN, KNOWN_ARCHS
 from mori_jit.jit.compile import build
 from mori_jit.jit.toolchain import (ToolchainError, detect_arch, get_toolchain, make_toolchain, set_arch_override,
                                     vendor_of, wave_size_for_arch)
@@ -131,6 +133,24 @@ def test_bad_arch_message_names_the_accepted_forms(arch, fake_cc):
         assert repr(arch) in msg and "gfx<id>" in msg and "sm_<cc>" in msg and "sm_90a" in msg
 
 
+@pytest.mark.parametrize("arch", ["sm_91", "sm_99a", "sm_100", "gfx1234", "gfx90b"])
+def test_an_arch_no_gpu_has_is_refused_listing_the_known_ones(arch, fake_cc):
+    if arch in KNOWN_ARCHS["nvidia"]:  # (a known one is the control)
+        assert make_toolchain(arch).arch == arch
+        return
+    assert vendor_of(arch) in ("amd", "nvidia")  # the form is right: a cache directory of it is still read
+    for fn in (make_toolchain, set_arch_override):
+        with pytest.raises(ToolchainError) as ei:
+            fn(arch)
+        msg = str(ei.value)
+        assert f"arch {arch!r} is not supported; known archs: NVIDIA sm_70, " in msg and "; AMD gfx906, " in msg
+
+
+def test_every_known_arch_makes_a_toolchain(fake_cc):
+    for vendor, archs in KNOWN_ARCHS.items():
+        assert all(make_toolchain(a).vendor == vendor and re.fullmatch(ARCH_PATTERN, a) for a in archs)
+
+
 def test_wave_sizes():
     assert [wave_size_for_arch(a) for a in ("gfx90a", "gfx942", "gfx1100", "gfx1250", "sm_90a")] == [64, 64, 32, 32, 32]
 
@@ -204,15 +224,15 @@ def test_compiler_from_rocm_path(monkeypatch, tmp_path, fake_cc):
 
 def test_extra_flags_and_nic_are_in_the_toolchain(fake_cc, monkeypatch):
     monkeypatch.setenv("MORI_JIT_EXTRA_FLAGS", "-DFOO=1 '-Xptxas -v'")
-    monkeypatch.setenv("MORI_DEVICE_NIC", "mlx5")
+    monkeypatch.setenv("MORI_JIT_DEVICE_NIC", "mlx5")
     tc = make_toolchain("sm_90a")
     assert tc.flags[-2:] == ("-DFOO=1", "-Xptxas -v") and tc.nic == "mlx5"
     assert "-DFOO=1" in tc.command(Path("a"), Path("b"), []) and "mlx5" in tc.key_parts()
 
 
 def test_bad_nic_name_is_rejected(fake_cc, monkeypatch):
-    monkeypatch.setenv("MORI_DEVICE_NIC", "../evil")
-    with pytest.raises(ValueError, match="MORI_DEVICE_NIC"):
+    monkeypatch.setenv("MORI_JIT_DEVICE_NIC", "../evil")
+    with pytest.raises(ValueError, match="MORI_JIT_DEVICE_NIC"):
         make_toolchain("sm_90a")
 
 

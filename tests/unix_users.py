@@ -65,6 +65,36 @@ def shared_tmpdir() -> Path:
     return d
 
 
+def readable_copy(sources: dict[str, Path], dest: Path) -> dict[str, Path]:
+    """Copies of ``sources`` (name → file or tree) under ``dest``, readable by every user (executables
+    stay executable): a checkout in a folder only its owner can enter (a ``mktemp -d`` folder, a
+    0700 home) hides its own files from a second user."""
+    out = {}
+    for name, src in sources.items():
+        out[name] = dest / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, out[name])
+        for dirpath, _, filenames in os.walk(out[name]) if src.is_dir() else [(str(dest), [], [name])]:
+            os.chmod(dirpath, 0o755)
+            for n in filenames:
+                f = os.path.join(dirpath, n)
+                os.chmod(f, 0o755 if os.access(f, os.X_OK) else 0o644)
+    return out
+
+
+def unreachable(user: pwd.struct_passwd, paths: list[Path]) -> list[str]:
+    """Those of ``paths`` that ``user`` cannot read (a directory: list), each with the reason; checked
+    as that user, so a test can skip, naming them, rather than fail on what the machine does not allow."""
+    def probe() -> list[str]:
+        out = []
+        for p in paths:
+            try:
+                os.listdir(p) if p.is_dir() else open(p, "rb").close()
+            except OSError as e:
+                out.append(f"{p} ({e.strerror})")
+        return out
+    return run_as(user, probe)
+
+
 def chown_tree(root: Path, uid: int, gid: int) -> None:
     """``chown -R`` without following links."""
     for dirpath, dirnames, filenames in os.walk(root):

@@ -14,6 +14,10 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   static_assert(kRangeTok<kCfg> <= kCfg.waveSize, "a range's slots are held one per lane");
   static_assert(kCfg.worldSize <= 8 && kMaxPeers <= 16, "ItemSources packs a source's rank in 4 bits, 8 sources");
   constexpr int kWs = kCfg.worldSize;
+  // The split legs' halves (kCfg.phase): a send kernel's blocks all send, then end; a receive
+  // kernel's all sum, from the rows the send kernels pushed (its own rank's pushed before it,
+  // stream order), and count the combine done.
+  constexpr bool kSends = kCfg.phase != EpPhase::Recv, kSums = kCfg.phase != EpPhase::Send;
   const int rank = args.rank;
   uint64_t* sync = SyncWords(args);
   // Every rank passes weights, or none does: a rank with n = 0 (possibly null y_w) still sends its
@@ -26,10 +30,10 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   int total = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     StampAt(args, kStCombStart);
-    total = *At<int>(args, rank, args.off_total_recv);
+    if constexpr (kSums) total = *At<int>(args, rank, args.off_total_recv);
   }
 
-  const SenderStart start = kWs > 1 ? Sender<kCfg>::Start(args) : SenderStart{};  // in flight with the counts
+  const SenderStart start = kSends && kWs > 1 ? Sender<kCfg>::Start(args) : SenderStart{};  // in flight with the counts
   const uint64_t* numTok = XdbFlags(args, rank, kXdbNumTok);  // each peer's dispatch n (its ranges)
   int maxRanges = 0;
 #pragma unroll
@@ -38,8 +42,9 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // (maxRanges is 0 on one rank: no peers)
   const uint64_t target = CombEpoch(args) + 1;  // (read after the loads above are issued: none waits for it)
   const int parity = int(target & 1);
-  const int numTasks = maxRanges * Sender<kCfg>::kDests, senders = CombSenders(numTasks), grid = int(gridDim.x);
-  if (kWs > 1 && int(blockIdx.x) < senders && int(blockIdx.x) < numTasks) {  // one rank: no senders
+  const int numTasks = maxRanges * Sender<kCfg>::kDests, grid = int(gridDim.x);
+  const int senders = kCfg.phase == EpPhase::Whole ? CombSenders(numTasks) : kSends ? grid : 0;
+  if (kSends && kWs > 1 && int(blockIdx.x) < senders && int(blockIdx.x) < numTasks) {  // one rank: no senders
     __shared__ int sendClaims[2];
     Sender<kCfg> sender(args, target, sendWeights, numTasks, senders, sendClaims, start);
     // Before the first store: comb_recv on a peer is free once its previous combine is done. The
@@ -57,6 +62,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     for (int q = blockIdx.x; q < numTasks; q = sender.Send(q)) {}
     if (threadIdx.x == 0) StampMax(args, kStCombSent, plat::now_ns());
   }
+  if constexpr (!kSums) return;  // (a send kernel: its pushes and flags are out)
   unsigned* next = Claims(sync, kCombSumNext, parity);  // the sums' claim counter
   // The block's end, once it has read everything it will (its inputs and comb_recv, all in this
   // GPU's memory; it writes nothing a peer reads): its share of kDoneUnit goes to this rank's
@@ -89,7 +95,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // write). Otherwise (one task per block, or one rank) every block is free at once, so a fixed
   // stride does as well: block b sums ranges b, b + grid, ... with no atomic per range.
   __shared__ int claimed[2];
-  const bool claims = kWs > 1 && senders < grid;  // block-uniform; never on one rank (no senders)
+  // (block-uniform; never on one rank, nor in a receive kernel: no senders)
+  const bool claims = kCfg.phase == EpPhase::Whole && kWs > 1 && senders < grid;
   const int numRanges = NumRanges<kCfg>(args.numTokens), claimer = int(blockDim.x) - 1;
   if (claims && int(threadIdx.x) == claimer) claimed[0] = int(plat::atomic_add_device(next, 1u));
   __syncthreads();

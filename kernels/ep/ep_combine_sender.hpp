@@ -16,11 +16,15 @@ namespace mori::ep {
 constexpr int kSenderShare = 8;
 MORI_DEVICE int DedicatedSenders() { return max(1, int(gridDim.x) * kSenderShare / 16); }
 MORI_DEVICE int CombSenders(int tasks) { return tasks <= int(gridDim.x) ? int(gridDim.x) : DedicatedSenders(); }
+// The sender stride SenderStart loads a second task for, before the counts decide it: a send
+// kernel's (every block sends), else the dedicated senders' (the usual case of the whole leg).
+template <EpCfg kCfg>
+MORI_DEVICE int StartStride() { return kCfg.phase == EpPhase::Send ? int(gridDim.x) : DedicatedSenders(); }
 
 // What a sender block needs before its first store that no token count decides, loaded at the
 // kernel's start, all at once: the reverse-map entries of its first two tasks (lane < kRangeTok;
-// the second for the stride of dedicated senders, the usual case, since the stride itself waits
-// for the counts), the dispatch's epoch tag, and (lane < worldSize) the peers' combine-done counts.
+// the second for StartStride's stride, since the stride itself waits for the counts), the
+// dispatch's epoch tag, and (lane < worldSize) the peers' combine-done counts.
 // Loaded one after another, as they once were, they were a chain of four memory latencies (HBM
 // misses at 4096 tokens, where the last combine's traffic has swept the L2) before the first push.
 struct SenderStart {
@@ -86,7 +90,7 @@ struct Sender {
     // only the stores): the start's chain of dependent loads is SenderStart's, then the rows.
     LoadPass(0);
     nextTask = blockIdx.x + stride;
-    nextSlot = stride == DedicatedSenders() ? Decode(nextTask, start.entry[1]) : TaskSlot(nextTask);
+    nextSlot = stride == StartStride<kCfg>() ? Decode(nextTask, start.entry[1]) : TaskSlot(nextTask);
   }
   // The reverse-map entry of task q's lane (lane < kRangeTok), loaded with no dependence on the
   // token counts: every address it may form lies inside the map.
@@ -99,7 +103,7 @@ struct Sender {
   MORI_DEVICE static SenderStart Start(const EpArgs& a) {
     SenderStart s;
     s.entry[0] = EntryOf(a, int(blockIdx.x));
-    s.entry[1] = EntryOf(a, int(blockIdx.x) + DedicatedSenders());
+    s.entry[1] = EntryOf(a, int(blockIdx.x) + StartStride<kCfg>());
     s.dispTag = uint32_t(SyncWords(a)[kDispEpoch]);
     if (int(threadIdx.x) < kWs && int(threadIdx.x) != a.rank)  // (relaxed: see the wait before the first push)
       s.done = plat::load_relaxed_system(XdbFlags(a, a.rank, kXdbCombine) + threadIdx.x);

@@ -67,136 +67,140 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   static_assert(kCfg.bulkMinTokens == 0 || plat::kHasBulkCopy, "bulkMinTokens needs a bulk-copy unit (NVIDIA sm_90 and later)");
   constexpr int kW = kCfg.waveSize, kWs = kCfg.worldSize;
   constexpr int kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll;
-  const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
+  [[maybe_unused]] const int rank = args.rank, lane = plat::lane_id(), n = args.numTokens;
   uint64_t* sync = SyncWords(args);
   const uint64_t epoch = sync[kDispEpoch];
   const int parity = int(epoch & 1);
   const uint64_t target = epoch + 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
+  if constexpr (kCfg.phase != EpPhase::Recv) {  // the send half: every block
+    if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispStart);
 
-  constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
-  const int owned = BlockTokens<kCfg>(n), wave = plat::wave_id();
-  const bool bulkBlock = kCfg.bulkMinTokens > 0 && owned >= kCfg.bulkMinTokens;  // block-uniform
-  auto loadChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll]) {
-    const int v0 = chunk * kChunkVecs + lane;
-    const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
-                                                          size_t(t) * EpTokenBytes(kCfg));
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
-  };
-  // quantFp8Block128: a chunk of a bf16 input row (twice the output's bytes) becomes its fp8
-  // vectors and, per block, the scale word (kept by the block's lanes; every lane calls it).
-  [[maybe_unused]] auto loadQuantChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll], uint32_t (&scale)[kUnroll]) {
-    const int v0 = chunk * kChunkVecs + lane;
-    const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
-                                                          size_t(t) * EpTokenBytes(kCfg) * 2);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      vec16_t lo{}, hi{};
-      if (v0 + u * kW < kVecs) {
-        lo = plat::load_stream(src + 2 * (v0 + u * kW));
-        hi = plat::load_stream(src + 2 * (v0 + u * kW) + 1);
+    constexpr int kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
+    const int owned = BlockTokens<kCfg>(n), wave = plat::wave_id();
+    const bool bulkBlock = kCfg.bulkMinTokens > 0 && owned >= kCfg.bulkMinTokens;  // block-uniform
+    auto loadChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll]) {
+      const int v0 = chunk * kChunkVecs + lane;
+      const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
+                                                            size_t(t) * EpTokenBytes(kCfg));
+  #pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * kW < kVecs) buf[u] = plat::load_stream(src + v0 + u * kW);
+    };
+    // quantFp8Block128: a chunk of a bf16 input row (twice the output's bytes) becomes its fp8
+    // vectors and, per block, the scale word (kept by the block's lanes; every lane calls it).
+    [[maybe_unused]] auto loadQuantChunk = [&](int t, int chunk, vec16_t (&buf)[kUnroll], uint32_t (&scale)[kUnroll]) {
+      const int v0 = chunk * kChunkVecs + lane;
+      const vec16_t* src = reinterpret_cast<const vec16_t*>(static_cast<const char*>(args.inpTok) +
+                                                            size_t(t) * EpTokenBytes(kCfg) * 2);
+  #pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        vec16_t lo{}, hi{};
+        if (v0 + u * kW < kVecs) {
+          lo = plat::load_stream(src + 2 * (v0 + u * kW));
+          hi = plat::load_stream(src + 2 * (v0 + u * kW) + 1);
+        }
+        const float sf = BlockScale<kCfg.scaleTypeSize>(BlockMax(AbsMax16(lo, hi)), scale[u]);
+        buf[u] = QuantizeVec(lo, hi, 1.0f / sf);
       }
-      const float sf = BlockScale<kCfg.scaleTypeSize>(BlockMax(AbsMax16(lo, hi)), scale[u]);
-      buf[u] = QuantizeVec(lo, hi, 1.0f / sf);
+    };
+    // Before the first store into a peer's arena: the peer has finished its last combine, which may
+    // still read rows there. Threads of the last wave wait (normally one load) while the first ones
+    // claim; the claim's closing barrier orders the wait before every copy.
+    if (threadIdx.x >= blockDim.x - kWs) {
+      const int pe = threadIdx.x - (blockDim.x - kWs);
+      WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + pe, CombEpoch(args) * kDoneUnit, kWaitCombineDone, pe);
     }
-  };
-  // Before the first store into a peer's arena: the peer has finished its last combine, which may
-  // still read rows there. Threads of the last wave wait (normally one load) while the first ones
-  // claim; the claim's closing barrier orders the wait before every copy.
-  if (threadIdx.x >= blockDim.x - kWs) {
-    const int pe = threadIdx.x - (blockDim.x - kWs);
-    WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + pe, CombEpoch(args) * kDoneUnit, kWaitCombineDone, pe);
-  }
-  if constexpr (kCfg.expertCounts)  // (the claim's first barrier orders this before any add)
-    for (int e = threadIdx.x; e < EpNumExperts(kCfg); e += blockDim.x) ExpertTally<kCfg>()[e] = 0;
-  __shared__ DispatchRound<kCfg> round;
-  const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
-  // (`if constexpr` around its calls: a wave-only binary never instantiates a zero-stage BulkRows)
-  [[maybe_unused]] BulkRows<kCfg> bulk;
-  if constexpr (kCfg.bulkMinTokens > 0)
-    if (bulkBlock && threadIdx.x == 0) bulk.Init();
-  for (int r0 = 0; r0 < owned; r0 += DispatchRound<kCfg>::kTok) {
-    // Work items of the round: the chunks of its tokens, over the block's waves.
-    const int num = owned - r0 < DispatchRound<kCfg>::kTok ? owned - r0 : DispatchRound<kCfg>::kTok, numItems = num * kChunks;
-    vec16_t buf[kUnroll];
-    [[maybe_unused]] uint32_t scale[kUnroll];  // (quantFp8Block128: each vector's block scale word)
-    if (bulkBlock) {
-      if constexpr (kCfg.bulkMinTokens > 0)
-        if (threadIdx.x == 0) bulk.Prefetch(args, r0, num);
-    } else if (wave < numItems) {  // overlaps the claim
-      if constexpr (kCfg.quantFp8Block128)
-        loadQuantChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf, scale);
+    if constexpr (kCfg.expertCounts)  // (the claim's first barrier orders this before any add)
+      for (int e = threadIdx.x; e < EpNumExperts(kCfg); e += blockDim.x) ExpertTally<kCfg>()[e] = 0;
+    __shared__ DispatchRound<kCfg> round;
+    const bool withWeights = kCfg.useWeights && args.inpWeights != nullptr;
+    // (`if constexpr` around its calls: a wave-only binary never instantiates a zero-stage BulkRows)
+    [[maybe_unused]] BulkRows<kCfg> bulk;
+    if constexpr (kCfg.bulkMinTokens > 0)
+      if (bulkBlock && threadIdx.x == 0) bulk.Init();
+    for (int r0 = 0; r0 < owned; r0 += DispatchRound<kCfg>::kTok) {
+      // Work items of the round: the chunks of its tokens, over the block's waves.
+      const int num = owned - r0 < DispatchRound<kCfg>::kTok ? owned - r0 : DispatchRound<kCfg>::kTok, numItems = num * kChunks;
+      vec16_t buf[kUnroll];
+      [[maybe_unused]] uint32_t scale[kUnroll];  // (quantFp8Block128: each vector's block scale word)
+      if (bulkBlock) {
+        if constexpr (kCfg.bulkMinTokens > 0)
+          if (threadIdx.x == 0) bulk.Prefetch(args, r0, num);
+      } else if (wave < numItems) {  // overlaps the claim
+        if constexpr (kCfg.quantFp8Block128)
+          loadQuantChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf, scale);
+        else
+          loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);
+      }
+
+      if (kCfg.routingReplay && args.replay)
+        LoadRoute<kCfg>(args, r0, num, round);
       else
-        loadChunk(OwnedToken<kCfg>(r0 + wave / kChunks), wave % kChunks, buf);
-    }
+        ClaimSlots<kCfg>(args, parity, r0, num, round);
+      if (r0 == 0 && blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
 
-    if (kCfg.routingReplay && args.replay)
-      LoadRoute<kCfg>(args, r0, num, round);
-    else
-      ClaimSlots<kCfg>(args, parity, r0, num, round);
-    if (r0 == 0 && blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispClaimed);
-
-    if (bulkBlock) {
-      if constexpr (kCfg.bulkMinTokens > 0)
-        if (threadIdx.x == 0) bulk.Push(args, r0, num, round);
-      constexpr int kMetaWaves = kCfg.warpPerBlock > 1 ? kCfg.warpPerBlock - 1 : 1;  // wave 0 holds thread 0
-      for (int li = wave - (kCfg.warpPerBlock - kMetaWaves); li >= 0 && li < num; li += kMetaWaves) {
-        const int t = OwnedToken<kCfg>(r0 + li);
+      if (bulkBlock) {
+        if constexpr (kCfg.bulkMinTokens > 0)
+          if (threadIdx.x == 0) bulk.Push(args, r0, num, round);
+        constexpr int kMetaWaves = kCfg.warpPerBlock > 1 ? kCfg.warpPerBlock - 1 : 1;  // wave 0 holds thread 0
+        for (int li = wave - (kCfg.warpPerBlock - kMetaWaves); li >= 0 && li < num; li += kMetaWaves) {
+          const int t = OwnedToken<kCfg>(r0 + li);
+          ForEachDest<kCfg>(round, li, [&](int pe, int slot) {
+            StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
+            StoreTokenScales<kCfg>(args, t, pe, slot);
+          });
+        }
+        continue;
+      }
+      for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
+        const int li = item / kChunks, t = OwnedToken<kCfg>(r0 + li), chunk = item % kChunks;
+        const int v0 = chunk * kChunkVecs + lane;
+        if (item != wave) {
+          if constexpr (kCfg.quantFp8Block128)
+            loadQuantChunk(t, chunk, buf, scale);
+          else
+            loadChunk(t, chunk, buf);
+        }
         ForEachDest<kCfg>(round, li, [&](int pe, int slot) {
-          StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
-          StoreTokenScales<kCfg>(args, t, pe, slot);
+          vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
+  #pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
+          if constexpr (kCfg.quantFp8Block128) {  // a block's first lane stores its scale
+            using S = typename ScaleWordOf<kCfg.scaleTypeSize>::type;
+            S* dstScale = At<S>(args, pe, args.off_out_scales) + size_t(slot) * kCfg.scaleDim;
+  #pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+              if (v0 + u * kW < kVecs && (v0 + u * kW) % kQuantLanes == 0) dstScale[(v0 + u * kW) / kQuantLanes] = S(scale[u]);
+          }
+          if (chunk == 0) {  // with the first chunk
+            StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
+            StoreTokenScales<kCfg>(args, t, pe, slot);
+          }
         });
       }
-      continue;
     }
-    for (int item = wave; item < numItems; item += kCfg.warpPerBlock) {
-      const int li = item / kChunks, t = OwnedToken<kCfg>(r0 + li), chunk = item % kChunks;
-      const int v0 = chunk * kChunkVecs + lane;
-      if (item != wave) {
-        if constexpr (kCfg.quantFp8Block128)
-          loadQuantChunk(t, chunk, buf, scale);
-        else
-          loadChunk(t, chunk, buf);
-      }
-      ForEachDest<kCfg>(round, li, [&](int pe, int slot) {
-        vec16_t* dst = At<vec16_t>(args, pe, args.off_disp_out) + size_t(slot) * kVecs;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + u * kW < kVecs) dst[v0 + u * kW] = buf[u];
-        if constexpr (kCfg.quantFp8Block128) {  // a block's first lane stores its scale
-          using S = typename ScaleWordOf<kCfg.scaleTypeSize>::type;
-          S* dstScale = At<S>(args, pe, args.off_out_scales) + size_t(slot) * kCfg.scaleDim;
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (v0 + u * kW < kVecs && (v0 + u * kW) % kQuantLanes == 0) dstScale[(v0 + u * kW) / kQuantLanes] = S(scale[u]);
-        }
-        if (chunk == 0) {  // with the first chunk
-          StoreTokenMeta<kCfg>(args, round, li, t, pe, slot, target, withWeights);
-          StoreTokenScales<kCfg>(args, t, pe, slot);
-        }
-      });
-    }
-  }
 
-  if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
-  if (bulkBlock && threadIdx.x == 0) plat::bulk_wait_stores();  // before the fence that publishes the rows
-  if constexpr (kCfg.expertCounts) FlushExpertTally<kCfg>(args, parity);
-  // Every block tells every rank (this one too) that its rows are there: once the block's stores
-  // are visible system-wide, one relaxed add per rank (block 0 first publishes this rank's token
-  // count), its share of kDoneUnit (BlockShare). No block waits for another before its news leaves.
-  if (threadIdx.x == 0 && blockIdx.x == 0)  // (n bounds each peer's combine sends to this rank)
-    for (int pe = 0; pe < kWs; ++pe) XdbFlags(args, pe, kXdbNumTok)[rank] = uint64_t(n);
-  FenceBlockSystem();
-  if (threadIdx.x == 0) {
-    const uint64_t share = BlockShare();
-    for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbDispatch) + rank, share);
-    StampMax(args, kStDispCounted, plat::now_ns());
+    if (blockIdx.x == 0 && threadIdx.x == 0) StampAt(args, kStDispLoopDone);
+    if (bulkBlock && threadIdx.x == 0) plat::bulk_wait_stores();  // before the fence that publishes the rows
+    if constexpr (kCfg.expertCounts) FlushExpertTally<kCfg>(args, parity);
+    // Every block tells every rank (this one too) that its rows are there: once the block's stores
+    // are visible system-wide, one relaxed add per rank (block 0 first publishes this rank's token
+    // count), its share of kDoneUnit (BlockShare). No block waits for another before its news leaves.
+    if (threadIdx.x == 0 && blockIdx.x == 0)  // (n bounds each peer's combine sends to this rank)
+      for (int pe = 0; pe < kWs; ++pe) XdbFlags(args, pe, kXdbNumTok)[rank] = uint64_t(n);
+    FenceBlockSystem();
+    if (threadIdx.x == 0) {
+      const uint64_t share = BlockShare();
+      for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbDispatch) + rank, share);
+      StampMax(args, kStDispCounted, plat::now_ns());
+    }
   }
-  // Block 0: wait until every rank's blocks are done (this rank's too: then every block here has
-  // read the epoch and made its claims), then publish the count and advance the epoch. One wait
-  // covers the local blocks and the peers at once.
+  if constexpr (kCfg.phase == EpPhase::Send) return;  // (the send kernel ends without waiting)
+  // The receive half, block 0 (the whole leg's, or the receive kernel's): wait until every
+  // rank's blocks are done (this rank's too: then every block here has read the epoch and made
+  // its claims; a receive kernel's own rank's are done by stream order), then publish the count
+  // and advance the epoch. One wait covers the local blocks and the peers at once.
   if (blockIdx.x != 0) return;
   if (threadIdx.x < kWs)
     WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target * kDoneUnit, kWaitDispatchDone,

@@ -7,6 +7,7 @@
 namespace mori::ep {
 
 enum class EpDType : int { Bf16 = 0, Fp32 = 1, Fp8 = 2, Fp4x2 = 3 };
+enum class EpPhase : int { Whole = 0, Send = 1, Recv = 2 };
 // The 32-bit words of the low-latency combine's rows (`comb_recv`) that are not data.
 enum CombWord : uint32_t { kEmptyWord = 0xffffffff, kShortWord = 0xfffffffe, kCanonWord = 0xfffffffd };
 // Which spin-wait timed out (the high bits of the error detail word).
@@ -44,6 +45,7 @@ struct EpCfg {
   bool routingReplay = false;
   bool quantFp8Block128 = false;
   int expertCapacity = 0;
+  EpPhase phase = EpPhase::Whole;
 };
 
 // bytes per payload element

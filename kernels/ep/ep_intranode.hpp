@@ -56,6 +56,17 @@
 // before its block's done count. A row beyond a short input arrives as kShortWord words (the home
 // rank reports it).
 //
+// Split legs (EpCfg phase; the op's split_send_recv): each leg also runs as a send kernel and a
+// receive kernel on one stream, with the stream free for other work between them and no SM waiting
+// for a peer. Each leg has one place where its blocks stop storing into peers and start waiting
+// for them, and the split is there. Dispatch: the send kernel is the claim, the copies and every
+// block's done count; the receive kernel is block 0's part (the wait for every rank's count,
+// total_recv, the expert counts, the epoch), on one block. Combine: every block of the send kernel
+// sends (no dedicated senders) and ends once its pushes and flags are out; every block of the
+// receive kernel sums (a fixed range stride) and counts the combine done, for the send kernel's
+// reads too (stream order: they are done when it starts). The epochs are read from the counts at
+// each kernel's start and only the receive advances them, so both halves see the same epoch.
+//
 // Every spin-wait gives up after args.timeoutNs and records which wait, on which rank, for which
 // peer, in the host-mapped error words; the host raises on the next call.
 //

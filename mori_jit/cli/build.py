@@ -2,13 +2,14 @@
 ``compile``, ``precompile``."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from typing import Any
 
-from .common import CliError, compile_error_line, ensure_headers, fmt_s, parse_sets, spec_cfg, toolchain_for, \
-    warn_stale_headers
+from .common import (CliError, compile_error_line, ensure_headers, fmt_s, parse_sets, spec_cfg,
+                     toolchain_and_origin, warn_stale_headers)
 
 __all__ = ["cmd_render", "cmd_key", "cmd_describe", "cmd_compile", "cmd_precompile", "precompile_targets"]
 
@@ -69,30 +70,84 @@ def precompile_targets(toolchain, ep_request: dict[str, str] | None = None) -> l
     return [(spec, cfg) for spec in all_specs() for cfg in spec.precompile_cfgs(toolchain)]
 
 
+def _skip_reason(spec, toolchain) -> str:
+    """Why ``spec`` names no kernel for ``precompile`` on ``toolchain``: a device library that
+    cannot be linked there or is missing, else that its configs come from an op's."""
+    from ..jit.devlib import DeviceLibraryError
+    for lib in spec.device_libraries:
+        if toolchain.vendor != "nvidia":
+            return f"they link {lib.name}, and device linking is built for NVIDIA arches only"
+        try:
+            lib.locate()
+        except DeviceLibraryError as e:
+            return f"they link {lib.name}, which is missing: {e}"
+    return "they have no default config: an op builds them for its own (--ep KEY=VALUE ...)"
+
+
+def _what_and_why(toolchain, arch_origin: str, targets, ep_request) -> list[str]:
+    """The lines under precompile's first one: where the arch came from, what is built, and each
+    shipped spec that builds nothing here, with the reason."""
+    from ..jit.registry import all_specs
+    out = [f"  arch {toolchain.arch}: from {arch_origin}" + ("" if arch_origin == "--arch" else
+                                                            " (--arch chooses another)")]
+    if ep_request:
+        return out + ["  kernels: every variant a live 'hip' EP op with the --ep config compiles"]
+    per_spec = {s.name: 0 for s in all_specs()}
+    for spec, _ in targets:
+        per_spec[spec.name] += 1
+    counts = ", ".join(f"{name} {k}" for name, k in per_spec.items() if k)
+    out.append(f"  kernels: the configs each shipped spec names for precompiling, so that their first use loads "
+               f"them from the cache instead of compiling ({counts}); --ep KEY=VALUE ... builds the variants of "
+               f"one EP op config instead")
+    skipped: dict[str, list[str]] = {}
+    for spec in all_specs():
+        if not per_spec[spec.name]:
+            skipped.setdefault(_skip_reason(spec, toolchain), []).append(spec.name)
+    return out + [f"  skipped {', '.join(names)}: {why}" for why, names in skipped.items()]
+
+
 def cmd_precompile(args) -> int:
-    """`mori-jit precompile`: build every shipped variant for an arch in parallel, with progress."""
+    """`mori-jit precompile`: build every shipped variant for an arch in parallel, with progress.
+
+    An interrupt (Ctrl-C, SIGTERM, SIGHUP) stops it: no kernel starts, the running compiles are
+    killed, and the summary line still says what was built, stopped and never started."""
     from ..jit import cache
+    from ..jit.compile import CompileError
     from ..jit.precompile import build_all, resolve_targets
-    tc = toolchain_for(args.arch, from_compiler=True)
+    tc, arch_origin = toolchain_and_origin(args.arch, from_compiler=True)
     ensure_headers()
-    todo = resolve_targets(precompile_targets(tc, parse_sets(args.ep)), tc)
+    ep_request = parse_sets(args.ep)
+    targets = precompile_targets(tc, ep_request)
+    todo = resolve_targets(targets, tc)
     n = len(todo)
     print(f"precompiling {n} kernels for {tc.arch} with {tc.compiler} into {cache.cache_root()}", flush=True)
+    print("\n".join(_what_and_why(tc, arch_origin, targets, ep_request)), flush=True)
     width = max((len(r.entry_name) for _, _, r in todo), default=0)
     t_all = time.perf_counter()
-    counts = {"compiled": 0, "hit": 0, "FAILED": 0}
+    counts = {"compiled": 0, "hit": 0, "FAILED": 0, "stopped": 0}
     failed = []
-    for i, done in enumerate(build_all(todo, tc, args.jobs), 1):
+
+    def report(done) -> None:
         counts[done.status] += 1
-        line = f"[{i:>{len(str(n))}}/{n}] {done.entry_name:<{width}}  {done.status:<8} {fmt_s(done.seconds)}"
+        line = f"[{sum(counts.values()):>{len(str(n))}}/{n}] {done.entry_name:<{width}}  {done.status:<8} " \
+               f"{fmt_s(done.seconds)}"
         if done.error is not None:
-            line += f"  {compile_error_line(done.error)}"
+            line += f"  {compile_error_line(done.error) if isinstance(done.error, CompileError) else done.error}"
             failed.append(done.entry_name)
         print(line, flush=True)
-    print(f"done in {time.perf_counter() - t_all:.1f}s: {counts['compiled']} compiled, {counts['hit']} hit, "
-          f"{counts['FAILED']} failed", flush=True)
+
+    def summary(stopped: bool) -> str:
+        text = (f"{'stopped after' if stopped else 'done in'} {time.perf_counter() - t_all:.1f}s: "
+                f"{counts['compiled']} compiled, {counts['hit']} hit, {counts['FAILED']} failed")
+        return text + (f", {counts['stopped']} stopped, {n - sum(counts.values())} not started" if stopped else "")
+
+    try:
+        build_all(todo, tc, args.jobs, report)
+    except BaseException:  # (stopped: the summary still says what was done, unless stdout is what broke)
+        with contextlib.suppress(OSError):
+            print(summary(stopped=True), flush=True)
+        raise
+    print(summary(stopped=False), flush=True)
     if failed:
-        raise CliError(f"{len(failed)} of {n} kernels failed to compile: {', '.join(failed)}")
+        raise CliError(f"{len(failed)} of {n} kernels failed to build: {', '.join(failed)}")
     return 0
-
-

@@ -16,7 +16,13 @@ def _rel(p: Path, root: Path) -> str:
 
 
 def _left_lines(removal, root: Path) -> list[str]:
-    return [f"left     {_rel(p, root)}: {why}" for p, why in removal.left]
+    return [f"left     {_rel(p, root)}: {why}" for p, why in removal.left + removal.failed]
+
+
+def _check_removed(removal) -> None:
+    """A removal that failed is an error (``clear`` and ``verify --remove`` alike)."""
+    if removal.failed:
+        raise CliError(f"{len(removal.failed)} items could not be removed (listed above)")
 
 
 def _builds_note() -> str:
@@ -57,6 +63,7 @@ def cmd_cache(args) -> int:
         if bad and not args.remove:
             raise CliError(f"{len(bad)} corrupt cache entries (they are rebuilt on next use; "
                            f"'mori-jit cache verify --remove' deletes them)")
+        _check_removed(removal)
         if removal.left:
             raise CliError(f"{len(removal.left)} corrupt entries could not be removed (listed above)")
         return 0
@@ -65,8 +72,10 @@ def cmd_cache(args) -> int:
         for line in _left_lines(removal, root):
             print(line)
         done = ", ".join(f"{n} {kind}" for kind, n in removal.removed.items()) or "nothing"
-        note = f"; left {len(removal.left)} items (listed above)" if removal.left else ""
+        kept = len(removal.left) + len(removal.failed)
+        note = f"; left {kept} items (listed above)" if kept else ""
         print(f"removed {done} from {root}{note}")
+        _check_removed(removal)
         return 0
     raise CliError(f"unknown cache action {args.action!r}")  # pragma: no cover - argparse checks choices
 

@@ -6,11 +6,20 @@ import re
 import sys
 from typing import Sequence
 
-__all__ = ["PROG", "CliError", "UsageError", "Parser", "positive_int", "parse_sets", "resolve_arch", "arch_or_error",
-           "toolchain_for", "spec_named", "spec_cfg", "ensure_headers", "warn_stale_headers", "fmt_s",
-           "compile_error_line", "error_line"]
+__all__ = ["PROG", "package_version", "CliError", "UsageError", "Terminated", "Parser", "positive_int", "arch_name",
+           "parse_sets", "resolve_arch", "toolchain_for", "toolchain_and_origin", "spec_named", "spec_cfg",
+           "ensure_headers", "warn_stale_headers", "fmt_s", "compile_error_line", "error_line"]
 
 PROG = "mori-jit"
+
+
+def package_version() -> str:
+    """The installed distribution's version, or ``(not installed)`` for a bare checkout."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version("mori-jit")
+    except (ImportError, PackageNotFoundError):
+        return "(not installed)"
 
 
 class CliError(Exception):
@@ -19,6 +28,16 @@ class CliError(Exception):
 
 class UsageError(CliError):
     """Bad command-line syntax (exit status 2)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived (``signum``). Raised in the main thread by the CLI's handler, so a
+    command stops the way Ctrl-C stops it; a ``BaseException``, as ``KeyboardInterrupt`` is, so that
+    no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class Parser(argparse.ArgumentParser):
@@ -36,6 +55,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
     return value
+
+
+def arch_name(text: str) -> str:
+    """argparse type: an arch mori-jit builds for (an empty or unknown one is refused, listing the
+    known archs, before anything renders)."""
+    from ..jit.toolchain import ToolchainError, check_arch
+    try:
+        check_arch(text)
+    except ToolchainError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, str]:
@@ -56,7 +86,7 @@ def resolve_arch(arch: str | None, *, from_compiler: bool = False) -> tuple[str 
     """
     from ..jit import knobs, toolchain
     from ..jit.toolchain import ToolchainError, compiler_default_arch, detect_arch
-    if arch:
+    if arch is not None:  # (given, even empty: the caller checks it, never falls back)
         return arch, "--arch"
     env = knobs.compiler.arch
     if env:
@@ -74,21 +104,22 @@ def resolve_arch(arch: str | None, *, from_compiler: bool = False) -> tuple[str 
     return found, f"the {toolchain.COMPILER_NAME[toolchain.vendor_of(found)]} at {compiler}, as no GPU is visible"
 
 
-def arch_or_error(arch: str | None, *, from_compiler: bool = False) -> str:
-    resolved, why = resolve_arch(arch, from_compiler=from_compiler)
-    if resolved is None:
-        raise CliError(f"no arch: {why.rstrip('.')}; or pass --arch (e.g. --arch gfx90a, --arch sm_90a)")
-    return resolved
-
-
 def toolchain_for(arch: str | None, *, need_compiler: bool = True, from_compiler: bool = False):
     """The toolchain for ``--arch`` / MORI_JIT_ARCH / the device (/ the installed compiler).
 
     Rendering never runs the compiler, so ``render``/``describe`` work without one
     (``need_compiler=False`` gives a toolchain with an empty compiler and signature).
     """
+    return toolchain_and_origin(arch, need_compiler=need_compiler, from_compiler=from_compiler)[0]
+
+
+def toolchain_and_origin(arch: str | None, *, need_compiler: bool = True, from_compiler: bool = False):
+    """(:func:`toolchain_for`, where its arch came from, as :func:`resolve_arch` says)."""
     from ..jit.toolchain import make_toolchain
-    return make_toolchain(arch_or_error(arch, from_compiler=from_compiler), need_compiler=need_compiler)
+    resolved, why = resolve_arch(arch, from_compiler=from_compiler)
+    if resolved is None:
+        raise CliError(f"no arch: {why.rstrip('.')}; or pass --arch (e.g. --arch gfx90a, --arch sm_90a)")
+    return make_toolchain(resolved, need_compiler=need_compiler), why
 
 
 def spec_named(name: str):

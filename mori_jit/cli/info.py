@@ -5,17 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import resolve_arch
+from .common import package_version, resolve_arch
 
 __all__ = ["cmd_info"]
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-        return version("mori-jit")
-    except (ImportError, PackageNotFoundError):
-        return "(not installed)"
 
 
 def _settings_lines() -> list[str]:
@@ -60,6 +52,22 @@ def _compilers_lines() -> list[str]:
     return out
 
 
+def _launch_lines() -> list[str]:
+    """Whether kernels can be launched here: the GPU torch sees (or why none), and each vendor's
+    launch bindings, installed or how to install them."""
+    from ..jit.runtime.support import BINDINGS, bindings_version, gpu_problem
+    problem = gpu_problem()
+    if problem is None:
+        import torch
+        gpu = f"{torch.cuda.get_device_name()} (torch {torch.__version__}, {torch.cuda.device_count()} visible)"
+    else:
+        gpu = f"none usable: {problem}"
+    found = {v: bindings_version(v) for v in BINDINGS}
+    bindings = "; ".join(f"{b.distribution} {found[v]} ({v})" if found[v] else
+                         f"{b.distribution} not installed ({v}: {b.install()})" for v, b in BINDINGS.items())
+    return [f"{'gpu:':<12} {gpu}", f"{'bindings:':<12} {bindings}"]
+
+
 def _engines_lines() -> list[str]:
     """One line per device library (NVSHMEM, and any other a spec links): the install found (path,
     version, where from), or why none is found and how to get it."""
@@ -82,8 +90,9 @@ def _engines_lines() -> list[str]:
 
 
 def cmd_info(args) -> int:
-    """`mori-jit info`: version, arch, compiler and flags, device libraries, source root, header
-    freshness, cache, specs, and the environment variables mori-jit reads."""
+    """`mori-jit info`: version, arch, compiler and flags, the GPU and launch bindings, device
+    libraries, source root, header freshness, cache, specs, and the environment variables mori-jit
+    reads, each with its default's value here."""
     from ..jit import cache, toolchain as tcmod
     from ..jit.codegen import stale_headers
     from ..jit.paths import SourceRootError, kernels_dir
@@ -91,7 +100,7 @@ def cmd_info(args) -> int:
 
     out = []
     arch, why = resolve_arch(args.arch)
-    out.append(f"mori-jit {_version()} (python {sys.version.split()[0]})")
+    out.append(f"mori-jit {package_version()} (python {sys.version.split()[0]})")
     if arch is None:
         out.append(f"arch:        (none resolvable: {why.rstrip('.')}; or pass --arch)")
     else:
@@ -109,6 +118,7 @@ def cmd_info(args) -> int:
             out.append("signature:")
             out += [f"    {ln}" for ln in tc.signature.rstrip().splitlines()]
     out += _compilers_lines()
+    out += _launch_lines()
     out += _engines_lines()
     if arch is None:
         pre, pre_why = resolve_arch(None, from_compiler=True)

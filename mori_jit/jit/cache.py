@@ -1,20 +1,15 @@
-"""The content-addressed on-disk cache: reading and publishing entries, and build directories.
+"""The content-addressed on-disk cache: reading entries, and the root that is written into.
 
 The tree's layout, the shapes of its items and which directories are trusted are in
 :mod:`~mori_jit.jit.cache_layout`; listing, verifying and clearing the whole cache in
-:mod:`~mori_jit.jit.cache_admin`.
-
-Publishing: an entry is built in ``tmp/<uuid>/``, its files and directory are fsynced, and the
-directory is published with one ``rename``: readers see a whole entry or none. The loser of a race
-deletes its own tmp and uses the winner's (same name = same content).
+:mod:`~mori_jit.jit.cache_admin`; building, publishing and discarding entries in
+:mod:`~mori_jit.jit.cache_builds`.
 
 Reading trusts nothing in the entry: it opens only the entry's own fixed file names, relative to
 the entry directory, as regular files (no link, FIFO or device) of bounded size, and checks
 ``meta.json`` field by field against the directory's name (key, entry, arch, NIC, binary name) and
 the binary against its sha256. Anything else is :class:`CorruptEntry`: the compiler rebuilds it,
 ``mori-jit cache verify`` reports it. A hit writes nothing, so a read-only cache serves hits.
-
-Build directories (``tmp/<uuid>/``) are :mod:`~mori_jit.jit.cache_builds`.
 """
 from __future__ import annotations
 
@@ -25,21 +20,19 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
-import uuid
 from pathlib import Path
 from typing import Iterator
 
 from . import knobs
-from .cache_layout import (ARCH_DIR_RE, BINARY_NAMES, ENTRY_DIR_RE, FAILED, LOCKS, META_NAME, SOURCE_NAME, TMP,
+from .cache_layout import (ARCH_DIR_RE, BINARY_NAMES, ENTRY_DIR_RE, LOCKS, META_NAME, SOURCE_NAME,
                            CacheUnsafeError, check_dir, check_stat, children, classify, is_marked, is_real_dir,
                            make_dir, write_marker)
 from .toolchain import vendor_of
 
 __all__ = ["Entry", "CorruptEntry", "CacheUnsafeError", "cache_root", "entry_dir", "read_entry", "verify_entry",
-           "list_entries", "publish", "discard", "lock_path", "keep_failed_source", "writable_root", "sha256_file",
-           "SOURCE_NAME", "META_NAME", "BINARY_NAMES", "MAX_BYTES"]
+           "list_entries", "lock_path", "writable_root", "sha256_file", "SOURCE_NAME", "META_NAME", "BINARY_NAMES",
+           "MAX_BYTES"]
 
 #: Size bounds of an entry's files (far above any real one; a bigger file is corrupt, never read).
 MAX_BYTES = {META_NAME: 1 << 16, SOURCE_NAME: 16 << 20, **{b: 256 << 20 for b in BINARY_NAMES.values()}}
@@ -115,10 +108,11 @@ def _read_member(dfd: int, name: str) -> bytes:
     except OSError as e:
         raise CorruptEntry(f"{name} cannot be opened ({'a symbolic link' if e.errno == errno.ELOOP else e.strerror})") \
             from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # (checked before reading: a directory cannot be read as a file)
+        os.close(fd)
+        raise CorruptEntry(f"{name} is not a regular file ({stat.filemode(st.st_mode)})")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptEntry(f"{name} is not a regular file ({stat.filemode(st.st_mode)})")
         if st.st_size > MAX_BYTES[name]:
             raise CorruptEntry(f"{name} has {st.st_size} bytes, more than the {MAX_BYTES[name]} allowed")
         if not knobs.cache.shared and (st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022):
@@ -233,58 +227,6 @@ def writable_root() -> Path:
     return root
 
 
-def _fsync_path(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(tmp: Path, final: Path) -> bool:
-    """Atomically move the finished ``tmp`` entry to ``final``; False if another process won the race.
-
-    ``tmp`` must hold the source, the binary and ``meta.json``. The loser's ``tmp`` is deleted.
-    """
-    for f in tmp.iterdir():
-        if not knobs.cache.shared:  # (a umask of 002 would leave them group-writable)
-            os.chmod(f, stat.S_IMODE(os.stat(f).st_mode) & ~0o022)
-        _fsync_path(f)
-    _fsync_path(tmp)
-    make_dir(final.parent)
-    try:
-        os.rename(tmp, final)
-    except OSError as e:
-        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        return False
-    _fsync_path(final.parent)
-    return True
-
-
-def discard(path: Path) -> None:
-    """Remove an entry directory without ever exposing a half-deleted entry: rename it into tmp/,
-    then delete it there. A link in its place is unlinked (nothing it points to is touched)."""
-    if os.path.islink(path):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
-    graveyard = make_dir(writable_root() / TMP) / f"dead-{uuid.uuid4().hex}"
-    try:
-        os.rename(path, graveyard)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(graveyard, ignore_errors=True)
-
-
 def lock_path(key: str) -> Path:
     """The per-key compile lock file (its directory created and checked)."""
     return make_dir(writable_root() / LOCKS) / f"{key}.lock"
-
-
-def keep_failed_source(entry_name: str, key: str, source: Path) -> Path:
-    """Copy the source of a failed compile to ``failed/<entry>.<key[:16]>/kernel.hip``; returns it."""
-    d = make_dir(make_dir(writable_root() / FAILED) / f"{entry_name}.{key[:16]}")
-    shutil.copyfile(source, d / SOURCE_NAME)
-    return d / SOURCE_NAME

@@ -1,19 +1,19 @@
 """The whole cache at once: what ``mori-jit cache ls|verify|clear`` do (the CLI only prints).
 
 Nothing is removed unless it is provably the cache's (:func:`~mori_jit.jit.cache_layout.classify`):
-an entry-shaped directory holding only entry files, and, under a root marked as mori-jit's, the
+an entry-shaped directory holding only entry file names, and, under a root marked as mori-jit's, the
 cache's bookkeeping (build dirs no process holds, lock files, kept failed sources, legacy template
-bytecode). Everything else is left where it is and reported, with the reason.
+bytecode). Everything else is left where it is and reported, with the reason; so is what could
+not be removed (:attr:`Removal.failed`), which the CLI turns into a non-zero exit.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from pathlib import Path
 
-from . import cache, cache_builds
-from .cache_layout import CacheUnsafeError, check_dir, children, classify, is_marked
+from . import cache, cache_builds, cache_fs
+from .cache_layout import CacheUnsafeError, classify, is_marked
 
 __all__ = ["EntryInfo", "Removal", "scan", "build_dir_counts", "verify", "clear"]
 
@@ -34,10 +34,12 @@ class EntryInfo:
 
 @dataclasses.dataclass
 class Removal:
-    """What a removal did: ``removed`` counts by kind; ``left`` is ``(path, why)`` of what stayed."""
+    """What a removal did: ``removed`` counts by kind; ``left`` is ``(path, why)`` of what stayed on
+    purpose (not the cache's, in use); ``failed`` is ``(path, why)`` of what could not be removed."""
 
     removed: dict[str, int] = dataclasses.field(default_factory=dict)
     left: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Path, str]] = dataclasses.field(default_factory=list)
 
     def count(self, kind: str) -> None:
         """Count one removed item of ``kind``."""
@@ -61,25 +63,35 @@ def scan() -> list[EntryInfo]:
 
 def build_dir_counts() -> tuple[int, int]:
     """(build dirs in ``tmp/``, how many of them are stale: the next compile removes those)."""
-    dirs = cache_builds.build_dirs()
-    now = time.time()
-    return len(dirs), sum(cache_builds.build_dir_state(d, now) == "stale" for d in dirs)
+    states = cache_builds.build_dir_states()
+    return len(states), sum(state == "stale" for state in states.values())
 
 
-def _remove_entry(p: Path, marked: bool) -> None:
-    if marked:  # through tmp/: never a half-deleted entry in place
-        cache.discard(p)
+def _remove_at(root_fd: int, root: Path, p: Path) -> None:
+    """Remove ``p`` (a path below ``root``, one or two levels) through the held root: its directory
+    is opened without following a link and ``p`` removed relative to it (:func:`cache_fs.remove_at`)."""
+    rel = p.relative_to(root).parts
+    if len(rel) == 1:
+        cache_fs.remove_at(root_fd, rel[0])
         return
-    for f in children(p):  # (classify checked: only entry files, no directory)
-        f.unlink()
-    p.rmdir()
+    with cache_fs.open_dir_at(root_fd, rel[0], root / rel[0]) as dfd:
+        cache_fs.remove_at(dfd, rel[1])
+
+
+def _remove_entry(root_fd: int, root: Path, p: Path, marked: bool) -> None:
+    if marked:  # through tmp/: never a half-deleted entry in place
+        cache_builds.discard(p)
+    else:
+        _remove_at(root_fd, root, p)
 
 
 def _try(out: Removal, kind: str, p: Path, fn) -> None:
     try:
         fn()
+    except FileNotFoundError:  # gone meanwhile (another clear, or a compile replacing it): not ours to count
+        pass
     except OSError as e:
-        out.left.append((p, f"cannot remove it: {e.strerror or e}"))
+        out.failed.append((p, f"cannot remove it: {e.strerror or e}"))
     else:
         out.count(kind)
 
@@ -91,44 +103,46 @@ def verify(remove: bool = False) -> tuple[list[EntryInfo], Removal]:
     bad = [i.path for i in infos if i.problem is not None]
     if remove and bad:
         root = cache.cache_root()
-        check_dir(root, follow=True)
         contents, marked = classify(root), is_marked(root)
         removable, foreign = set(contents.entries), dict(contents.foreign)
-        for p in bad:
-            if p in removable:
-                _try(out, "entries", p, lambda p=p: _remove_entry(p, marked))
-            else:
-                out.left.append((p, foreign.get(p, "not made by mori-jit")))
+        with cache_fs.open_dir(root, follow=True) as rfd:
+            for p in bad:
+                if p in removable:
+                    _try(out, "entries", p, lambda p=p: _remove_entry(rfd, root, p, marked))
+                else:
+                    out.left.append((p, foreign.get(p, "not made by mori-jit")))
     return infos, out
 
 
 def clear() -> Removal:
-    """Remove every entry and (under a marked root) the cache's bookkeeping; leave the rest."""
+    """Remove every entry and (under a marked root) the cache's bookkeeping; leave the rest. Every
+    removal goes through directory handles that refuse links (:mod:`~mori_jit.jit.cache_fs`): a
+    directory swapped for a link after it was classified is unlinked or refused, never followed."""
     root = cache.cache_root()
     out = Removal()
     if not root.exists():
         return out
-    check_dir(root, follow=True)  # (a root others can write could have links swapped in mid-way)
-    contents, marked = classify(root), is_marked(root)
-    out.left += contents.foreign
-    for p in contents.entries:
-        _try(out, "entries", p, lambda p=p: _remove_entry(p, marked))
-    if marked:
-        now = time.time()
-        for d in contents.builds:
-            if cache_builds.build_dir_state(d, now, min_age_s=_CLEAR_MIN_AGE_S) == "active":
-                out.left.append((d, "a build in progress"))
-            else:
-                _try(out, "build dirs", d, lambda d=d: cache_builds.remove_tree(d))
-        for p in contents.bookkeeping:
-            _try(out, "bookkeeping files", p, lambda p=p: cache_builds.remove_tree(p))
-    else:
-        out.left += [(p, "not in a root marked as mori-jit's cache")
-                     for p in contents.builds + contents.bookkeeping]
-    # containers are removed once emptied; under an unmarked root only the arch dirs entries left
-    for d in contents.containers if marked else {p.parent for p in contents.entries}:
-        try:
-            os.rmdir(d)  # only if emptied
-        except OSError:
-            pass
+    with cache_fs.open_dir(root, follow=True) as rfd:  # (checked: see cache_layout.check_stat)
+        contents, marked = classify(root), is_marked(root)
+        out.left += contents.foreign
+        for p in contents.entries:
+            _try(out, "entries", p, lambda p=p: _remove_entry(rfd, root, p, marked))
+        if marked:
+            states = cache_builds.build_dir_states(min_age_s=_CLEAR_MIN_AGE_S)
+            for d in contents.builds:
+                if states.get(d.name, "active") == "active":
+                    out.left.append((d, "a build in progress"))
+                else:
+                    _try(out, "build dirs", d, lambda d=d: _remove_at(rfd, root, d))
+            for p in contents.bookkeeping:
+                _try(out, "bookkeeping files", p, lambda p=p: _remove_at(rfd, root, p))
+        else:
+            out.left += [(p, "not in a root marked as mori-jit's cache")
+                         for p in contents.builds + contents.bookkeeping]
+        # containers are removed once emptied; under an unmarked root only the arch dirs entries left
+        for d in contents.containers if marked else {p.parent for p in contents.entries}:
+            try:
+                os.rmdir(d.name, dir_fd=rfd)  # only if emptied
+            except OSError:
+                pass
     return out

@@ -5,7 +5,7 @@ Layout under the root (``MORI_JIT_CACHE_DIR``)::
 
     CACHEDIR.TAG                              marks the root as mori-jit's
     <arch>_<nic>/kernel.<entry>.<key>/        an entry: kernel.hip, kernel.<hsaco|cubin>, meta.json
-    tmp/<uuid>/                               a build in progress, flock-ed by its process
+    tmp/<uuid>/                               a build in progress: private (0700), flock-ed by its process
     tmp/dead-<uuid>/                          an entry being deleted
     locks/<key>.lock                          per-key compile locks
     failed/<entry>.<key[:16]>/kernel.hip      the source of a failed compile (MORI_JIT_KEEP_FAILED)
@@ -19,13 +19,16 @@ way to run their code as the user. A private cache (the default) is used only wh
 every directory under it that mori-jit reads or writes is owned by the user (or by root) and is not
 writable by group or others; anything else is refused with :class:`CacheUnsafeError`, which names
 the directory, its owner and mode, and the fix. ``MORI_JIT_SHARED_CACHE=1`` accepts a directory of
-another user (a team's cache): its files are then read as data only, and they are still checked.
+another user (a team's cache): its files are then read as data only, and they are still checked,
+and what mori-jit writes or removes there goes through directory handles that refuse links
+(:mod:`~mori_jit.jit.cache_fs`), as the directories' owners can swap any of them for a link.
 
 The root of a cache carries ``CACHEDIR.TAG`` (the standard marker that also keeps backup tools out),
 naming mori-jit: only under a marked root does ``cache clear`` remove the cache's bookkeeping.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pwd
@@ -153,12 +156,20 @@ def is_marked(root: Path) -> bool:
 
 
 def write_marker(root: Path) -> None:
-    """Write mori-jit's ``CACHEDIR.TAG`` into ``root`` (atomically: tmp file + rename)."""
+    """Write mori-jit's ``CACHEDIR.TAG`` into ``root`` (atomically: tmp file + rename). On an error
+    (a full disk) the tmp file is removed again and the error names the marker."""
     tmp = root / f".{MARKER_NAME}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, file_mode())
-    with os.fdopen(fd, "w") as f:
-        f.write(_MARKER_TEXT)
-    os.replace(tmp, root / MARKER_NAME)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode())
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_MARKER_TEXT)
+        os.replace(tmp, root / MARKER_NAME)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write {root / MARKER_NAME}: {e.strerror or e}") from None
+        raise
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,6 +201,11 @@ def _only_files(d: Path, allowed: frozenset[str]) -> bool:
     return is_real_dir(d) and all(p.name in allowed and not stat.S_ISDIR(_lmode(p)) for p in children(d))
 
 
+def _only_names(d: Path, allowed: frozenset[str]) -> bool:
+    """Whether ``d`` is a real directory holding nothing but names in ``allowed`` (whatever they are)."""
+    return is_real_dir(d) and all(p.name in allowed for p in children(d))
+
+
 @dataclasses.dataclass
 class Contents:
     """What is under a cache root, by kind (paths, sorted).
@@ -215,7 +231,7 @@ _BOOKKEEPING = {  # directory -> (shape of an item, is that item a directory hol
 
 
 def _entry_extras(d: Path) -> str:
-    extras = [p.name for p in children(d) if p.name not in ENTRY_FILES or stat.S_ISDIR(_lmode(p))]
+    extras = [p.name for p in children(d) if p.name not in ENTRY_FILES]
     return ("an entry holding what mori-jit did not make: " + ", ".join(extras[:3]) +
             (f" and {len(extras) - 3} more" if len(extras) > 3 else "")) if extras else "not a directory"
 
@@ -238,7 +254,8 @@ def classify(root: Path) -> Contents:
             continue
         if ARCH_DIR_RE.fullmatch(name):
             for p in children(top):
-                if ENTRY_DIR_RE.fullmatch(p.name) and _only_files(p, ENTRY_FILES):
+                # (a member that is a directory or a link is a damaged entry: still the cache's)
+                if ENTRY_DIR_RE.fullmatch(p.name) and _only_names(p, ENTRY_FILES):
                     out.entries.append(p)
                 else:
                     out.foreign.append((p, _entry_extras(p) if ENTRY_DIR_RE.fullmatch(p.name) else alien))

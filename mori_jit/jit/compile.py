@@ -1,34 +1,36 @@
 """Compile one specialization into the cache (or find it there).
 
 :func:`resolve` renders the source and computes the key (no compiler run); :func:`build` returns a
-verified :class:`~mori_jit.jit.cache.Entry`, compiling on a miss. A spec with device libraries
+verified :class:`~mori_jit.jit.cache.Entry`, compiling on a miss. The compiler runs in a private
+build directory (:mod:`~mori_jit.jit.cache_builds`) and is given names relative to it; only the
+entry's three files are published from there, whatever else it wrote. A spec with device libraries
 (:mod:`mori_jit.jit.devlib`) is compiled as relocatable device code and device-linked with their
-archives into the entry's one binary; the intermediate files stay in a build directory of their
-own, so an entry holds the same three files either way. A per-key file lock (package
+archives into the entry's one binary; the object and the archive copies stay in the build
+directory, so an entry holds the same three files either way. A per-key file lock (package
 ``filelock``) keeps N ranks from running N identical compiles; it is an optimisation only: on a
 lock timeout the build proceeds anyway and the atomic publish keeps the cache correct.
 
 Exception contract: a failing compiler or device linker raises :class:`CompileError` (step, command,
 stderr, kept source path); a missing compiler raises :class:`~mori_jit.jit.toolchain.ToolchainError`,
-a missing device library its subclass :class:`~mori_jit.jit.devlib.DeviceLibraryError`; nothing
-here exits the interpreter.
+a missing device library its subclass :class:`~mori_jit.jit.devlib.DeviceLibraryError`; a compile
+that a stop killed raises :class:`~mori_jit.jit.procs.Stopped`; nothing here exits the interpreter.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
-import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import filelock
 
-from . import cache, cache_builds, knobs
+from . import cache, cache_builds, knobs, procs
 from .devlib import LinkInputs, link_inputs
 from .key import cache_key, include_hash
 from .log import apply_verbosity, level_for
@@ -92,41 +94,61 @@ def _log(msg: str, level: int = 1) -> None:
     _logger.log(level_for(level), msg)
 
 
-def _run_step(res: Resolved, toolchain: Toolchain, cmd: list[str], out: Path, src: Path, cwd: Path,
-              step: str) -> None:
-    """Run one compiler command that must write ``out``; :class:`CompileError` if it does not."""
-    _log(" ".join(cmd), 2)
+def _keep_source(res: Resolved) -> Path | None:
+    """The kept source of a failed compile (``MORI_JIT_KEEP_FAILED``), or None; failing to keep it
+    is logged and never hides the compile's own error."""
+    if not knobs.cache.keep_failed:
+        return None
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=toolchain.env(), cwd=cwd)
-        rc, err = p.returncode, p.stderr + p.stdout
+        return cache_builds.keep_failed_source(res.entry_name, res.key, res.source)
+    except OSError as e:
+        _log(f"could not keep the failed source of {res.entry_name}: {e}", 0)
+        return None
+
+
+def _run_step(res: Resolved, toolchain: Toolchain, cmd: list[str], out: str, build_dir: cache_builds.BuildDir,
+              step: str) -> None:
+    """Run one compiler command in the build dir that must write ``out`` there; :class:`CompileError`
+    if it does not."""
+    _log(" ".join(cmd), 2)
+    try:  # (procs.Stopped, when a stop kills it, propagates: a stopped compile is no failure)
+        with build_dir.working_dir() as (cwd, fd):
+            rc, err = procs.run(cmd, env=toolchain.env(), cwd=cwd, pass_fds=(fd,))
     except OSError as e:
         rc, err = -1, str(e)
-    if rc != 0 or not out.is_file() or out.stat().st_size == 0:
-        kept = cache.keep_failed_source(res.entry_name, res.key, src) if knobs.cache.keep_failed else None
-        raise CompileError(res.spec, cmd, rc, err or "(no output; empty binary)", kept, step)
+    if rc != 0 or not build_dir.read(out):
+        raise CompileError(res.spec, cmd, rc, err or "(no output; empty binary)", _keep_source(res), step)
 
 
-def _compile_into(res: Resolved, toolchain: Toolchain, tmp: Path) -> None:
-    src = tmp / cache.SOURCE_NAME
-    src.write_text(res.source)
-    binary = tmp / cache.BINARY_NAMES[toolchain.vendor]
+def _compile_into(res: Resolved, toolchain: Toolchain, build_dir: cache_builds.BuildDir) -> list[str]:
+    """Compile (and link) ``res`` in the build dir, with names relative to it; returns the names of
+    the entry's files there (anything else the compiler wrote stays out of the entry)."""
+    src = Path(cache.SOURCE_NAME)
+    build_dir.write(src.name, res.source.encode())
+    binary = Path(cache.BINARY_NAMES[toolchain.vendor])
     t0 = time.perf_counter()
     meta: dict[str, Any] = {}
     if res.link is None:
         cmd = toolchain.command(src, binary, [kernels_dir()])
-        _run_step(res, toolchain, cmd, binary, src, tmp, "compiling")
+        _run_step(res, toolchain, cmd, binary.name, build_dir, "compiling")
     else:
-        with cache_builds.build_dir() as work:  # (the object and archive copies never enter the entry)
-            obj = work / "kernel.rdc.o"
-            cmd = toolchain.command(src, obj, [kernels_dir(), *res.link.include_dirs], relocatable=True)
-            _run_step(res, toolchain, cmd, obj, src, work, "compiling")
-            link_cmd = toolchain.link_command([obj, *res.link.stage(work)], binary)
-            _run_step(res, toolchain, link_cmd, binary, src, work, "linking")
+        obj = Path("kernel.rdc.o")
+        cmd = toolchain.command(src, obj, [kernels_dir(), *res.link.include_dirs], relocatable=True)
+        _run_step(res, toolchain, cmd, obj.name, build_dir, "compiling")
+        link_cmd = toolchain.link_command([obj, *res.link.stage(build_dir.write)], binary)
+        _run_step(res, toolchain, link_cmd, binary.name, build_dir, "linking")
         meta = {"link_command": link_cmd, "linked": res.link.describe()}
     meta = {"spec": res.spec, "entry": res.entry_name, "key": res.key, "arch": toolchain.arch,
-            "nic": toolchain.nic, "binary": binary.name, "binary_sha256": cache.sha256_file(binary),
+            "nic": toolchain.nic, "binary": binary.name,
+            "binary_sha256": hashlib.sha256(build_dir.read(binary.name) or b"").hexdigest(),
             "command": cmd, **meta, "compile_s": round(time.perf_counter() - t0, 3)}
-    (tmp / cache.META_NAME).write_text(json.dumps(meta, indent=1))
+    text = json.dumps(meta, indent=1).encode()
+    if len(text) > cache.MAX_BYTES[cache.META_NAME]:  # (a reader would refuse it: never publish one)
+        raise RuntimeError(f"{cache.META_NAME} of {res.entry_name} would have {len(text)} bytes, more than the "
+                           f"{cache.MAX_BYTES[cache.META_NAME]} a reader accepts: the commands it records are too "
+                           f"long (they hold MORI_JIT_EXTRA_FLAGS and the include paths)")
+    build_dir.write(cache.META_NAME, text)
+    return [src.name, binary.name, cache.META_NAME]
 
 
 def _lookup(path: Path) -> cache.Entry | None:
@@ -135,7 +157,7 @@ def _lookup(path: Path) -> cache.Entry | None:
         return cache.read_entry(path)
     except cache.CorruptEntry as e:
         _log(f"corrupt cache entry {path}: {e}; rebuilding it", 0)
-        cache.discard(path)
+        cache_builds.discard(path)
         return None
 
 
@@ -178,9 +200,8 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
         if swept:
             _log(f"removed {swept} build dirs of killed compiles from {cache.cache_root() / 'tmp'}")
         _log(f"compiling {res.entry_name} for {toolchain.arch}")
-        with cache_builds.build_dir() as tmp:
-            _compile_into(res, toolchain, tmp)
-            cache.publish(tmp, res.path)
+        with cache_builds.build_dir() as build_dir:
+            cache_builds.publish(build_dir, res.path, _compile_into(res, toolchain, build_dir))
     finally:
         if lock is not None:
             lock.release()
@@ -196,10 +217,16 @@ def build(spec: Spec, cfg: Any, toolchain: Toolchain, *, resolved: Resolved | No
 def build_many(requests: Sequence[tuple[Spec, Any]], toolchain: Toolchain, jobs: int | None = None) -> list[cache.Entry]:
     """:func:`build` for each ``(spec, cfg)``, compiling misses in parallel threads (compilers are
     subprocesses, so threads suffice). Entries come back in request order; the first failure raises
-    after the other compiles have finished (so nothing is left half-written)."""
+    after the other compiles have finished (so nothing is left half-written). An interrupt stops
+    them instead (:func:`~mori_jit.jit.procs.halt`) and propagates."""
     if len(requests) <= 1:
         return [build(s, c, toolchain) for s, c in requests]
     workers = max(1, min(len(requests), jobs or os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(build, s, c, toolchain) for s, c in requests]
+        try:
+            wait(futures)
+        except BaseException:
+            procs.halt(futures)
+            raise
     return [f.result() for f in futures]

@@ -24,7 +24,7 @@ import hashlib
 import importlib.util
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .key import include_hash
 from .knobs import Setting
@@ -174,9 +174,10 @@ class LinkInputs:
                  "sha256": sha}
                 for lib, shas in zip(self.libraries, self.archive_sha256) for a, sha in zip(lib.archives, shas)]
 
-    def stage(self, workdir: Path) -> list[Path]:
-        """Copy every archive into ``workdir`` and return the copies, in link order. A copy whose
-        bytes are not the ones keyed raises :class:`DeviceLibraryError` (the file changed since)."""
+    def stage(self, write: Callable[[str, bytes], None]) -> list[Path]:
+        """Copy every archive into a build directory through ``write(name, data)`` and return the
+        copies' names (relative to it), in link order. An archive whose bytes are not the ones keyed
+        raises :class:`DeviceLibraryError` (the file changed since)."""
         out = []
         for i, (lib, shas) in enumerate(zip(self.libraries, self.archive_sha256)):
             for j, (src, want) in enumerate(zip(lib.archives, shas)):
@@ -185,9 +186,9 @@ class LinkInputs:
                 if got != want:
                     raise DeviceLibraryError(f"{lib.name}: {src} changed after the cache key was computed "
                                              f"(sha256 {want[:16]}... then, {got[:16]}... now); run again")
-                dst = workdir / f"{i}.{j}.{src.name}"
-                dst.write_bytes(data)
-                out.append(dst)
+                name = f"{i}.{j}.{src.name}"
+                write(name, data)
+                out.append(Path(name))
         return out
 
 

@@ -61,7 +61,9 @@ class CEnum(enum.IntEnum):
         other = cls._coerce_other(value)
         if other is not None:
             return other
-        raise ConfigError(f"{value!r} is not a {cls.__name__}; allowed: {[m.name for m in cls]}")
+        article = "an" if cls.__name__[:1] in "AEIO" else "a"
+        raise ConfigError(f"{value!r} is not {article} {cls.__name__}; allowed: {', '.join(m.name for m in cls)} "
+                          f"(a name in any case, or its number: {', '.join(str(int(m)) for m in cls)})")
 
     def cpp(self) -> str:
         """This member as C++ text (``Enum::Member``)."""

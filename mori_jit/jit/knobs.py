@@ -16,12 +16,13 @@ compiler signature, flags, NIC).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 __all__ = ["Setting", "StrSetting", "BoolSetting", "LevelSetting", "PositiveFloatSetting", "IntListSetting",
            "PathSetting", "FlagsSetting", "NameSetting", "PrefixSetting", "Group", "all_groups", "all_settings",
@@ -36,14 +37,20 @@ class Setting(Generic[T]):
 
     An unset or empty variable gives the default (a callable default is called then); a value that
     does not parse is a ``ValueError`` naming the variable, the value and what is allowed.
+    ``aliases``: other names of the same variable (e.g. mori's own), read when ``var`` is unset.
+
+    ``default_doc`` says what the default is where the value alone does not (``~/.mori/jit``, or
+    a default the reader finds elsewhere, as the current device's arch); ``default_value`` finds
+    that value for ``mori-jit info`` (without reading this variable: it is the unset case).
     """
 
     #: the type's name in ``mori-jit info``
     type_name = "str"
 
-    def __init__(self, var: str, default: Any, doc: str, *, default_doc: Optional[str] = None):
-        self.var, self.default, self.doc = var, default, doc
-        self._default_doc = default_doc
+    def __init__(self, var: str, default: Any, doc: str, *, default_doc: Optional[str] = None,
+                 aliases: tuple[str, ...] = (), default_value: Optional[Callable[[], Any]] = None):
+        self.var, self.default, self.doc, self.aliases = var, default, doc, tuple(aliases)
+        self._default_doc, self._default_value = default_doc, default_value
         self.attr = ""
 
     def __set_name__(self, owner: type, attr: str) -> None:
@@ -52,17 +59,32 @@ class Setting(Generic[T]):
     def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
         return self if obj is None else self.read()
 
+    def _found(self) -> Optional[tuple[str, str]]:
+        """``(name, text)`` of the variable, else of its first alias that is set; None when all are unset or empty."""
+        for name in (self.var, *self.aliases):
+            v = os.environ.get(name)
+            if v not in (None, ""):
+                return name, v
+        return None
+
     def raw(self) -> Optional[str]:
-        """The variable's text, or None when it is unset or empty."""
-        v = os.environ.get(self.var)
-        return v if v not in (None, "") else None
+        """The variable's text (else its first alias that is set), or None when all are unset or empty."""
+        found = self._found()
+        return found[1] if found else None
 
     def read(self) -> T:
-        """The current value: the parsed variable, or the default."""
-        v = self.raw()
-        if v is not None:
-            return self.parse(v)
-        return self.default() if callable(self.default) else self.default
+        """The current value: the parsed variable, or the default. A bad value's error names the
+        variable that was set (an alias, when the value came from one)."""
+        found = self._found()
+        if found is None:
+            return self.default() if callable(self.default) else self.default
+        name, text = found
+        try:
+            return self.parse(text)
+        except ValueError as e:
+            if name == self.var:
+                raise
+            raise ValueError(f"{str(e).replace(self.var, name, 1)} ({name} is read as {self.var})") from None
 
     def parse(self, text: str) -> T:
         """The value of a set variable (subclasses convert and check)."""
@@ -70,18 +92,30 @@ class Setting(Generic[T]):
 
     @property
     def label(self) -> str:
-        """The variable as ``mori-jit info`` names it."""
-        return self.var
+        """The variable as ``mori-jit info`` names it (with its aliases)."""
+        return " | ".join((self.var, *self.aliases))
 
     def default_text(self) -> str:
-        """The default as ``mori-jit info`` shows it."""
-        if self._default_doc is not None:
-            return self._default_doc
-        return "(none)" if self.default is None else str(self.default)
+        """The default as ``mori-jit info`` shows it: its value on this machine, then what it is where
+        the value alone does not say (``/home/me/.mori/jit (~/.mori/jit)``)."""
+        doc, find = self._default_doc, self._default_value or (self.default if callable(self.default) else None)
+        if find is None:
+            return doc or self._value_text(self.default)
+        try:
+            found = find()
+        except Exception as e:  # noqa: BLE001 - shown, not raised: info reports what this machine lacks
+            return f"{doc or '(none)'}: none here ({' '.join(str(e).split())})"
+        if found is None:
+            return f"{doc}: none here" if doc else "(none)"
+        value = self._value_text(found)
+        return f"{value} ({doc})" if doc and doc != value else value
+
+    def _value_text(self, value: Any) -> str:
+        return "(none)" if value is None else str(value)
 
     def matches(self, name: str) -> bool:
-        """Whether the environment variable ``name`` is this setting's."""
-        return name == self.var
+        """Whether the environment variable ``name`` is this setting's (or an alias)."""
+        return name == self.var or name in self.aliases
 
     def is_set(self) -> bool:
         """Whether the environment sets this variable (non-empty)."""
@@ -142,8 +176,8 @@ class IntListSetting(Setting[tuple]):
             raise ValueError(f"{self.var}={text!r}: expected at least one integer, each >= 1")
         return out
 
-    def default_text(self) -> str:
-        return ",".join(map(str, self.default))
+    def _value_text(self, value: Any) -> str:
+        return ",".join(map(str, value))
 
 
 class PathSetting(Setting[Optional[Path]]):
@@ -156,14 +190,18 @@ class PathSetting(Setting[Optional[Path]]):
 
 
 class FlagsSetting(Setting[tuple]):
-    """Command-line flags, split as a shell would."""
+    """Command-line flags, split as a shell would; at most ``max_bytes`` bytes of text."""
 
     type_name = "flags"
 
-    def __init__(self, var: str, doc: str):
+    def __init__(self, var: str, doc: str, *, max_bytes: int):
         super().__init__(var, (), doc, default_doc="(none)")
+        self.max_bytes = max_bytes
 
     def parse(self, text: str) -> tuple[str, ...]:
+        size = len(text.encode("utf-8", "surrogateescape"))
+        if size > self.max_bytes:
+            raise ValueError(f"{self.var} is {size} bytes long; at most {self.max_bytes} are allowed")
         return tuple(shlex.split(text))
 
 
@@ -183,18 +221,24 @@ class PrefixSetting(Setting[dict]):
 
     type_name = "family"
 
-    def __init__(self, prefix: str, doc: str):
-        super().__init__(prefix, {}, doc, default_doc="(none)")
+    def __init__(self, prefix: str, doc: str, *, aliases: tuple[str, ...] = ()):
+        super().__init__(prefix, {}, doc, default_doc="(none)", aliases=aliases)
 
     @property
     def label(self) -> str:
-        return self.var + "*"
+        return " | ".join(p + "*" for p in (self.var, *self.aliases))
 
     def read(self) -> dict[str, str]:
-        return {k[len(self.var):]: v for k, v in os.environ.items() if self.matches(k) and v != ""}
+        """``{NAME: text}`` of every set variable of the family; a name under ``prefix`` wins over the
+        same name under an alias prefix."""
+        out: dict[str, str] = {}
+        for prefix in reversed((self.var, *self.aliases)):
+            out.update({k[len(prefix):]: v for k, v in os.environ.items()
+                        if k.startswith(prefix) and len(k) > len(prefix) and v != ""})
+        return out
 
     def matches(self, name: str) -> bool:
-        return name.startswith(self.var) and len(name) > len(self.var)
+        return any(name.startswith(p) and len(name) > len(p) for p in (self.var, *self.aliases))
 
     def is_set(self) -> bool:
         return bool(self.read())
@@ -211,27 +255,43 @@ class Group:
         return [v for k, v in vars(type(self)).items() if isinstance(v, Setting)]
 
 
+def _later(module: str, name: str, *args: Any) -> Callable[[], Any]:
+    """``module.name(*args)`` (``name`` may be dotted), called when needed: a default found outside its
+    declaration, for ``mori-jit info`` (imported then, as those modules read their settings here)."""
+    return lambda: functools.reduce(getattr, name.split("."), importlib.import_module(module, __package__))(*args)
+
+
 class CompilerKnobs(Group):
     """Which compiler builds for which arch, and what enters its command line."""
 
     name = "compiler"
-    arch = StrSetting("MORI_JIT_ARCH", None, "target arch (gfx90a, sm_90a, ...)", default_doc="the current device's")
-    hipcc = StrSetting("MORI_JIT_HIPCC", None, "the hipcc to use (a path, or a name on PATH)")
-    nvcc = StrSetting("MORI_JIT_NVCC", None, "the nvcc to use (a path, or a name on PATH)")
+    arch = StrSetting("MORI_JIT_ARCH", None, "target arch (gfx90a, sm_90a, ...)", default_doc="the current device's",
+                      default_value=_later(".toolchain", "detect_arch"))
+    hipcc = StrSetting("MORI_JIT_HIPCC", None, "the hipcc to use (a path, or a name on PATH)",
+                       default_doc="the first of $ROCM_PATH/bin, /opt/rocm/bin, PATH",
+                       default_value=_later(".toolchain", "search_compiler", "amd"))
+    nvcc = StrSetting("MORI_JIT_NVCC", None, "the nvcc to use (a path, or a name on PATH)",
+                      default_doc="the first of $CUDA_HOME/bin (else $CUDA_PATH/bin), /usr/local/cuda/bin, PATH",
+                      default_value=_later(".toolchain", "search_compiler", "nvidia"))
     rocm_path = StrSetting("ROCM_PATH", "/opt/rocm", "the ROCm install whose bin/hipcc is tried")
     cuda_home = StrSetting("CUDA_HOME", None, "the CUDA install whose bin/nvcc is tried")
     cuda_path = StrSetting("CUDA_PATH", None, "the CUDA install whose bin/nvcc is tried when CUDA_HOME is unset")
-    extra_flags = FlagsSetting("MORI_JIT_EXTRA_FLAGS", "extra compiler flags (shell-split); they enter the key")
-    device_nic = NameSetting("MORI_DEVICE_NIC", "none", "the NIC the kernels are built for; enters the key and "
-                                                        "the cache directory name")
+    # (bounded: each entry's meta.json records the compile command, and a reader accepts 64 KiB)
+    extra_flags = FlagsSetting("MORI_JIT_EXTRA_FLAGS", "extra compiler flags (shell-split, at most 16384 bytes); they "
+                               "enter the key. They can make the compiler write elsewhere ('-MD -MF <path>', nvcc "
+                               "--keep-dir): no privilege boundary, as whoever sets them can set MORI_JIT_NVCC",
+                               max_bytes=16384)
+    device_nic = NameSetting("MORI_JIT_DEVICE_NIC", "none", "the NIC the kernels are built for; enters the key and "
+                                                            "the cache directory name", aliases=("MORI_DEVICE_NIC",))
 
 
 class SourceKnobs(Group):
     """Where the device sources come from."""
 
     name = "source"
-    root = PathSetting("MORI_SOURCE_ROOT", None, "a directory holding kernels/ and templates/",
-                       default_doc="the checkout, else the packaged copy")
+    root = PathSetting("MORI_JIT_SOURCE_ROOT", None, "a directory holding kernels/ and templates/",
+                       default_doc="the checkout, else the packaged copy", aliases=("MORI_SOURCE_ROOT",),
+                       default_value=_later(".paths", "default_source_root"))
 
 
 class CacheKnobs(Group):
@@ -258,6 +318,9 @@ class LogKnobs(Group):
                                                   "compile commands, cache hits, and the CLI's tracebacks)")
 
 
+_NVSHMEM_PACKAGE = _later(".nvshmem", "NVSHMEM.package_home")
+
+
 class EngineKnobs(Group):
     """Where the device libraries (communication engines) that kernels are device-linked against live."""
 
@@ -265,10 +328,12 @@ class EngineKnobs(Group):
     nvshmem_home = PathSetting("MORI_JIT_NVSHMEM_HOME", None,
                                "the NVSHMEM install (include/, lib/libnvshmem_device.a) that kernels calling "
                                "NVSHMEM are device-linked against; wins over NVSHMEM_HOME",
-                               default_doc="NVSHMEM_HOME, else the installed nvidia-nvshmem-cu13 package")
+                               default_doc="NVSHMEM_HOME, else the installed nvidia-nvshmem-cu13 package",
+                               default_value=lambda: engine.nvshmem_home_fallback or _NVSHMEM_PACKAGE())
     nvshmem_home_fallback = PathSetting("NVSHMEM_HOME", None,
                                         "NVSHMEM's own install variable, used when MORI_JIT_NVSHMEM_HOME is unset",
-                                        default_doc="the installed nvidia-nvshmem-cu13 package")
+                                        default_doc="the installed nvidia-nvshmem-cu13 package",
+                                        default_value=_NVSHMEM_PACKAGE)
 
 
 compiler = CompilerKnobs()

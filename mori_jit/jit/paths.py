@@ -1,6 +1,6 @@
 """Where the device sources come from (``kernels/`` and ``templates/``).
 
-Order: ``MORI_SOURCE_ROOT`` → the checkout this package sits in (an editable install or
+Order: ``MORI_JIT_SOURCE_ROOT`` → the checkout this package sits in (an editable install or
 ``PYTHONPATH=.`` compiles the live tree) → the copy shipped inside the wheel (``mori_jit/_sources``).
 The checkout wins over any packaged copy, so editing a header is never silently ignored.
 """
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from . import knobs
 
-__all__ = ["source_root", "source_root_origin", "kernels_dir", "templates_dir", "SourceRootError"]
+__all__ = ["source_root", "default_source_root", "source_root_origin", "kernels_dir", "templates_dir",
+           "SourceRootError"]
 
 _PKG = Path(__file__).resolve().parent.parent  # .../mori_jit
 
@@ -25,30 +26,31 @@ def _is_root(p: Path) -> bool:
 
 
 def source_root() -> Path:
-    """The resolved source root (re-read each call: ``MORI_SOURCE_ROOT`` may change in tests)."""
+    """The resolved source root (re-read each call: ``MORI_JIT_SOURCE_ROOT`` may change in tests)."""
     env = knobs.source.root
     if env is not None:
         if not _is_root(env):
-            raise SourceRootError(f"MORI_SOURCE_ROOT={env} does not hold kernels/ and templates/")
+            raise SourceRootError(f"MORI_JIT_SOURCE_ROOT={env} does not hold kernels/ and templates/")
         return env.resolve()
-    return _default_root()
+    return default_source_root()
 
 
 def source_root_origin(root: Path) -> str:
-    """Where ``root`` (a :func:`source_root` answer) comes from: ``MORI_SOURCE_ROOT``, ``packaged copy`` or ``checkout``."""
+    """Where ``root`` (a :func:`source_root` answer) comes from: ``MORI_JIT_SOURCE_ROOT``, ``packaged copy`` or ``checkout``."""
     if knobs.source.root is not None:
-        return "MORI_SOURCE_ROOT"
+        return "MORI_JIT_SOURCE_ROOT"
     packaged = _PKG / "_sources"
     return "packaged copy" if root in (packaged, packaged.resolve()) else "checkout"
 
 
 @functools.lru_cache(maxsize=1)
-def _default_root() -> Path:
+def default_source_root() -> Path:
+    """The source root while ``MORI_SOURCE_ROOT`` is unset: the checkout, else the packaged copy."""
     for cand in (_PKG.parent, _PKG / "_sources"):
         if _is_root(cand):
             return cand
     raise SourceRootError(f"no kernels/ and templates/ next to {_PKG} or in {_PKG / '_sources'}; "
-                          f"set MORI_SOURCE_ROOT to a checkout")
+                          f"set MORI_JIT_SOURCE_ROOT to a checkout")
 
 
 def kernels_dir() -> Path:

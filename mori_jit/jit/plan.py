@@ -16,8 +16,10 @@ The args struct is packed by :mod:`mori_jit.jit.packing` (one ``struct.pack_into
 
 Exception contract
 ------------------
-``prepare``: :class:`CaptureError` if called for a plan that is not yet prepared while the current
-stream is capturing a graph (nothing is compiled or loaded then);
+``prepare``: :class:`~mori_jit.jit.runtime.NoDeviceError` on a machine where torch sees no GPU,
+naming what is missing and what to install, and ``ImportError`` without the launch bindings (both
+before anything compiles); :class:`CaptureError` if called for a plan that is not yet prepared
+while the current stream is capturing a graph (nothing is compiled or loaded then);
 :class:`~mori_jit.jit.compile.CompileError` / :class:`~mori_jit.jit.toolchain.ToolchainError`
 from the build; :class:`~mori_jit.jit.runtime.DriverError` from loading or symbol lookup;
 ``ValueError`` for a geometry the kernel cannot run with; ``RuntimeError`` if the cached entry
@@ -42,7 +44,7 @@ from typing import Any, Callable, Iterable
 from .args import ArgsSchema
 from .compile import build
 from .packing import ArgsPacker, check_struct_type, layout_difference
-from .runtime import Runtime, get_runtime
+from .runtime import Runtime, get_runtime, no_device_error
 from .runtime.base import as_dim3, torch_current_device
 from .spec import Geometry, Spec
 from .toolchain import Toolchain, get_toolchain
@@ -188,8 +190,14 @@ def prepare(spec: Spec, cfg: Any, toolchain: Toolchain | None = None, device: An
     repeat call is a dict hit on ``(spec.name, cfg, toolchain, device)`` and is allowed during graph
     capture; a miss during capture raises :class:`CaptureError` (never compile inside a graph).
     """
-    tc = toolchain if toolchain is not None else get_toolchain()
-    dev = _device_index(device)
+    try:
+        tc = toolchain if toolchain is not None else get_toolchain()
+        dev = _device_index(device)
+    except Exception:
+        no_gpu = no_device_error("prepare()")  # (then that is what to say, not what failed for want of it)
+        if no_gpu is not None:
+            raise no_gpu from None
+        raise
     key = (spec.name, cfg, tc, dev)
     plan = _PLANS.get(key)
     if plan is not None:
@@ -207,11 +215,11 @@ def _prepare_miss(spec: Spec, cfg: Any, tc: Toolchain, dev: int, key: tuple) -> 
             raise CaptureError(f"prepare({spec.name}: {name}) was called while the current stream is capturing "
                                f"a graph; prepare every plan before capture (compiling or loading a module "
                                f"inside a graph is not allowed)")
+        rt = get_runtime(tc.vendor)  # (before compiling: a machine that cannot launch says so at once)
         entry = build(spec, cfg, tc)
         built_name = entry.meta.get("entry")
         if built_name is not None and built_name != name:
             raise RuntimeError(f"cache entry {entry.path} holds kernel {built_name!r} but {spec.name} names it {name!r}")
-        rt = get_runtime(tc.vendor)
         mkey = (dev, str(entry.path))
         module = _MODULES.get(mkey)
         if module is None:

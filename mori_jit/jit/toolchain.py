@@ -23,28 +23,39 @@ import threading
 from pathlib import Path
 
 from . import knobs
+from .archs import ARCH_PATTERN, DEFAULT_ARCH, KNOWN_ARCHS, known_archs_text
 
 __all__ = ["Toolchain", "ToolchainError", "make_toolchain", "get_toolchain", "set_arch_override",
-           "detect_arch", "has_bulk_copy", "vendor_of", "wave_size_for_arch", "ARCH_PATTERN", "find_compiler",
-           "compiler_default_arch", "COMPILER_NAME", "COMPILER_VAR", "INSTALL_HINT", "DEFAULT_ARCH"]
+           "detect_arch", "has_bulk_copy", "vendor_of", "check_arch", "wave_size_for_arch", "ARCH_PATTERN",
+           "find_compiler", "search_compiler", "compiler_default_arch", "COMPILER_NAME", "COMPILER_VAR",
+           "INSTALL_HINT", "DEFAULT_ARCH"]
 
 
 class ToolchainError(RuntimeError):
     """No usable compiler or arch; the message says what was tried."""
 
 
-#: The arch names mori-jit builds for (matched whole: ``re.fullmatch``, never ``$``, which lets a
-#: trailing newline through).
-ARCH_PATTERN = r"gfx[0-9a-f]{3,5}|sm_[0-9]{2,3}a?"
 _ARCH_RE = re.compile(ARCH_PATTERN)
 
 
 def vendor_of(arch: str) -> str:
-    """``amd`` for ``gfx*``, ``nvidia`` for ``sm_*``; anything else is an error naming the forms."""
+    """``amd`` for ``gfx*``, ``nvidia`` for ``sm_*``; anything else is an error naming the forms.
+
+    The form only (a cache directory of any such arch is read); :func:`check_arch` is what an arch
+    to build for must pass."""
     if not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch):
         raise ToolchainError(f"arch {arch!r} is not supported; expected gfx<id> (e.g. gfx90a, gfx942) "
-                             f"or sm_<cc>[a] (e.g. sm_90a)")
+                             f"or sm_<cc>[a] (e.g. sm_90a), one of: {known_archs_text()}")
     return "amd" if arch.startswith("gfx") else "nvidia"
+
+
+def check_arch(arch: str) -> str:
+    """The vendor of ``arch`` if it is one mori-jit builds for (:data:`~mori_jit.jit.archs.KNOWN_ARCHS`);
+    else :class:`ToolchainError` listing those."""
+    vendor = vendor_of(arch)
+    if arch not in KNOWN_ARCHS[vendor]:
+        raise ToolchainError(f"arch {arch!r} is not supported; known archs: {known_archs_text()}")
+    return vendor
 
 
 def wave_size_for_arch(arch: str) -> int:
@@ -136,10 +147,6 @@ STANDARD_PLACE = {"amd": "/opt/rocm/bin/hipcc", "nvidia": "/usr/local/cuda/bin/n
 INSTALL_HINT = {"amd": "install ROCm's hipcc (Debian/Ubuntu: apt-get install hipcc) or set MORI_JIT_HIPCC",
                 "nvidia": "install the CUDA toolkit (https://developer.nvidia.com/cuda-downloads) "
                           "or set MORI_JIT_NVCC or CUDA_HOME"}
-#: The arch built for when only a compiler names the vendor (no --arch, MORI_JIT_ARCH or GPU): sm_90a
-#: is the arch the EP kernels are tuned on (H100/H200); gfx90a is a CDNA arch every hipcc that
-#: builds these kernels knows (Debian's does not know gfx942).
-DEFAULT_ARCH = {"nvidia": "sm_90a", "amd": "gfx90a"}
 
 
 def _explicit_compiler(vendor: str) -> str | None:
@@ -179,6 +186,11 @@ def find_compiler(vendor: str) -> str:
             # An explicit choice that does not work is an error, not a silent fallback to another compiler.
             raise ToolchainError(f"{COMPILER_VAR[vendor]}={explicit} is not an executable file")
         return os.path.abspath(explicit)
+    return search_compiler(vendor)
+
+
+def search_compiler(vendor: str) -> str:
+    """:func:`find_compiler` without the explicit variable: the first executable of the places searched."""
     tried = _candidates(vendor)
     for c in tried:
         if _is_executable(c):
@@ -220,9 +232,10 @@ def make_toolchain(arch: str, need_compiler: bool = True) -> Toolchain:
     """Resolve the compiler, its signature, flags and NIC for ``arch`` (no process-wide state).
 
     Without ``need_compiler`` a missing compiler gives a toolchain with an empty compiler path
-    and signature (enough to render a source, never to key or build one); a bad arch still raises.
+    and signature (enough to render a source, never to key or build one); an arch that
+    :func:`check_arch` refuses still raises.
     """
-    vendor = vendor_of(arch)
+    vendor = check_arch(arch)
     try:
         compiler = find_compiler(vendor)
     except ToolchainError:
@@ -262,7 +275,7 @@ def set_arch_override(arch: str) -> None:
     second different override, raises :class:`ToolchainError`.
     """
     global _override
-    vendor_of(arch)
+    check_arch(arch)
     with _lock:
         current = _resolved.arch if _resolved is not None else _override
         if current is not None and current != arch:

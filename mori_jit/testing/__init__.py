@@ -1,1 +1,1 @@
-"""Helpers for tests and tools that run mori-jit ops (a multi-process launcher); not needed to use them."""
+"""Helpers for tests and scripts that run mori-jit ops (a multi-process launcher); not needed to use them."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 import threading
 
 from .base import DriverError, Runtime, as_dim3
+from .support import BINDINGS, NoDeviceError, no_device_error, require_gpu
 
-__all__ = ["Runtime", "DriverError", "get_runtime", "as_dim3"]
+__all__ = ["Runtime", "DriverError", "NoDeviceError", "no_device_error", "get_runtime", "as_dim3"]
 
 _RUNTIMES: dict[str, Runtime] = {}
 _lock = threading.Lock()
@@ -18,8 +19,9 @@ _lock = threading.Lock()
 def get_runtime(vendor: str) -> Runtime:
     """The process-wide runtime of ``vendor`` (``"nvidia"`` or ``"amd"``), created on first use.
 
-    Raises ``ValueError`` for another vendor, ``ImportError`` (naming the package to install) when
-    the vendor's bindings are missing, ``RuntimeError`` when no GPU is visible.
+    Raises ``ValueError`` for another vendor, :class:`~.support.NoDeviceError` (a ``RuntimeError``
+    naming what is missing and what to install) when torch sees no GPU, ``ImportError`` (naming the
+    extra to install) when the vendor's bindings are missing.
     """
     rt = _RUNTIMES.get(vendor)
     if rt is not None:
@@ -27,19 +29,18 @@ def get_runtime(vendor: str) -> Runtime:
     with _lock:
         rt = _RUNTIMES.get(vendor)
         if rt is None:
-            if vendor == "nvidia":
-                try:
-                    from .cuda import CudaRuntime as cls
-                except ImportError as e:
-                    raise ImportError(f"the NVIDIA runtime needs cuda-python's driver bindings "
-                                      f"(pip install cuda-bindings): {e}") from e
-            elif vendor == "amd":
-                try:
-                    from .hip import HipRuntime as cls  # type: ignore[assignment]
-                except ImportError as e:
-                    raise ImportError(f"the AMD runtime needs hip-python (pip install hip-python "
-                                      f"matching your ROCm): {e}") from e
-            else:
+            if vendor not in BINDINGS:
                 raise ValueError(f"unknown vendor {vendor!r}; expected 'nvidia' or 'amd'")
+            require_gpu(f"the {vendor} runtime", vendor)
+            b = BINDINGS[vendor]
+            try:
+                if vendor == "nvidia":
+                    from .cuda import CudaRuntime as cls
+                else:
+                    from .hip import HipRuntime as cls  # type: ignore[assignment]
+            except ImportError as e:
+                matching = " (the hip-python matching your ROCm)" if vendor == "amd" else ""
+                raise ImportError(f"the {vendor} runtime needs its launch bindings, {b.distribution}{matching}: "
+                                  f"{b.install()}; {e}") from e
             rt = _RUNTIMES[vendor] = cls()
         return rt

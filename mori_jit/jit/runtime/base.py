@@ -76,10 +76,12 @@ def error_name(err: Any, lookup: Callable[[Any], Any], enum_name: str) -> str:
 
 
 def require_torch_gpu(what: str) -> None:
-    """Raise unless torch sees a GPU; then make sure torch's context on it exists."""
+    """Raise :class:`~.support.NoDeviceError` (naming what is missing) unless torch sees a GPU;
+    then make sure torch's context on it exists."""
     import torch
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"{what} needs a GPU visible to torch (torch.cuda.is_available() is False)")
+
+    from .support import require_gpu
+    require_gpu(what)
     torch.cuda.init()  # creates/uses the primary context of the current device
 
 

@@ -8,11 +8,15 @@ Map (each folder's ``__init__`` says more)::
       results, quant          dispatch's named outputs; the two wires' quantizations
       knobs, contract         the op's settings (MORI_EP_*); facts the kernels and checks share
     core/                   the backend-independent op: lifecycle, argument checks, the
-                            ranks' agreement on each call, KernelSet (what a backend hands it),
-                            Schedule (which geometry a call launches), mori's call options and
-                            accessors (call_options, op_mori)
+                            ranks' agreement on each call and the bounded waits of its host
+                            collectives, KernelSet (what a backend hands it), Schedule (which
+                            geometry a call launches), the split legs (overlap), mori's call
+                            options and accessors (call_options, op_mori)
     memory/                 the symmetric arena and where its memory comes from: torch
                             symmetric memory, CUDA/HIP IPC, NVSHMEM; what ranks learn of each other
+    train/                  training and prefill: dispatch and combine differentiable, as
+                            torch.library custom ops (namespace mori_jit), the packed
+                            expert-sorted layout
     backends/torch/         the reference backend on torch.distributed collectives
     backends/hip/           the JIT kernels (AMD via hipcc, NVIDIA via nvcc)
       common/                 what both kernel families share (payload arithmetic, constants,
@@ -26,9 +30,10 @@ Import rule (one direction, checked by ``tests/test_layout.py``): a module impor
 own folder, from folders below it in this list, or from the top files of ``ops/ep``::
 
     backends/hip/{backend,variants,gaps}  →  backends/hip/{intranode,internode}  →  backends/hip/common
-    backends/*  →  core  →  memory  →  ops/ep top files  →  mori_jit.jit
+    backends/*  →  train  →  core  →  memory  →  ops/ep top files  →  mori_jit.jit
 
-``core`` names its backends by module path only (``core/op.py``'s ``_BACKENDS``), never by import.
+``core`` names its backends and ``train`` (whose hooks make the op's calls differentiable) by module
+path only (``core/op.py``'s ``_BACKENDS``, ``_TRAIN``), never by import.
 :mod:`mori_jit.compat` (mori's API for the serving engines) builds on this package; nothing here
 imports it.
 Golden checks live in :mod:`mori_jit.testing`, the worked MoE block in :mod:`mori_jit.examples`.
@@ -46,7 +51,7 @@ _MODULE_OF = {"EpDispatchCombineConfig": ".config", "EpDispatchCombineOp": ".cor
               "EpDispatchResult": ".results", "EpExpertLayout": ".results",
               **{name: ".errors" for name in ("EpError", "EpConfigError", "ConfigError", "EpArgumentError",
                                               "EpArgumentTypeError", "EpUnsupportedError", "EpStateError",
-                                              "EpMemoryError", "EpPeerError", "EpDeviceError", "EpCapacityError")}}
+                                              "EpMemoryError", "EpBuildError", "EpPeerError", "EpDeviceError", "EpCapacityError")}}
 
 __all__ = list(_MODULE_OF)
 

@@ -116,6 +116,10 @@ class EpDispatchCombineConfig:
     expert_capacity: int = dataclasses.field(default=0, metadata=MOE_OPTION)
     #: ``dispatch(routing=...)`` resends new rows along an earlier dispatch's routing.
     routing_replay: bool = dataclasses.field(default=False, metadata=MOE_OPTION)
+    #: Each leg also runs as a send and a receive, to overlap its exchange with other work
+    #: (``dispatch_send``/``dispatch_recv``, ``combine_send``/``combine_recv``, ``return_recv_hook=True``;
+    #: :mod:`.core.overlap`): the ``hip`` backend builds those kernels too.
+    split_send_recv: bool = False
 
     def __post_init__(self):
         check_config(self)

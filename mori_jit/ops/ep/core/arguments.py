@@ -1,20 +1,17 @@
 """What the op's calls accept: the checks of a tensor argument, each raising TypeError/ValueError
 that names the argument, the value and what is allowed (the common, valid case costs a few
-attribute reads: they run on every call, inside a host budget of a few microseconds), and, for
-backends whose legs are host collectives, the agreement of every rank on its arguments before
-any rank enters the leg's exchange (:func:`agree_on_arguments`)."""
+attribute reads: they run on every call, inside a host budget of a few microseconds). The ranks'
+agreement on a call's arguments is :mod:`.agreement`'s."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from mori_jit.ops.ep.contract import ROW_ALIGN
-from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpPeerError, EpUnsupportedError
+from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError
 
-__all__ = ["ROW_ALIGN", "expect_tensor", "expect_latest_routing", "byte_span", "refuse_overlaps", "EpPeerError",
-           "agree_on_arguments"]
+__all__ = ["ROW_ALIGN", "expect_tensor", "expect_latest_routing", "byte_span", "refuse_overlaps"]
 
 
 def expect_tensor(name: str, t: Any, dtype, shape: tuple, device, align: int = 1) -> None:
@@ -62,8 +59,10 @@ def byte_span(t: Optional[torch.Tensor]) -> tuple[int, int]:
 
 def refuse_overlaps(outputs: tuple, inputs: tuple, region: tuple[str, tuple[int, int]]) -> None:
     """Raise ValueError naming the first output (``(name, tensor | None)``) whose bytes overlap an
-    input's (same form) or ``region`` (``(name, byte span)``). Empty ranges overlap nothing; touching
-    ranges do not overlap. Inlined int compares: it runs on every ``combine(out=)`` call."""
+    input's (same form), ``region`` (``(name, byte span)``) or an output named before it (each
+    output is written whole, so a shared byte holds whichever write lands last). Empty ranges
+    overlap nothing; touching ranges do not overlap. Inlined int compares: it runs on every
+    ``combine(out=)`` call."""
     spans = [(name, start, start + t.nbytes) for name, t in inputs if t is not None for start in (t.data_ptr(),)]
     spans.append((region[0], *region[1]))
     for name, t in outputs:
@@ -74,31 +73,4 @@ def refuse_overlaps(outputs: tuple, inputs: tuple, region: tuple[str, tuple[int,
         for what, s, e in spans:
             if a < e and s < b and a < b and s < e:
                 raise EpArgumentError(f"{name}: overlaps {what}; pass a separate tensor")
-
-
-def agree_on_arguments(group, leg: str, weights_given: bool, check: Callable[..., int], *args) -> int:
-    """``check(*args)`` on every rank, then one small collective before any rank enters the
-    leg's own: a rank whose arguments were refused raises its error, and every peer raises
-    :class:`EpPeerError` naming it, instead of waiting in an exchange the refused rank never
-    joins; ranks that disagree on passing weights all raise ValueError. For backends whose
-    legs are host-side collectives (the ``torch`` backend); the ``hip`` backend's kernels
-    report a missing peer themselves (a timeout, :class:`EpDeviceError`)."""
-    try:
-        n, refusal = check(*args), None
-    except (TypeError, ValueError, NotImplementedError) as e:  # (EpUnsupportedError is one)
-        n, refusal = -1, e
-    facts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(facts, (None if refusal is None else f"{type(refusal).__name__}: {refusal}",
-                                   weights_given), group=group)
-    if refusal is not None:
-        raise refusal
-    refused = [(r, msg) for r, (msg, _) in enumerate(facts) if msg]
-    if refused:
-        r, msg = refused[0]
-        raise EpPeerError(f"{leg}: rank {r} refused its arguments ({msg}); no rank ran this {leg}")
-    given = [g for _, g in facts]
-    if any(g != given[0] for g in given):
-        with_w = [r for r, g in enumerate(given) if g]
-        raise EpArgumentError(f"weights: given on ranks {with_w} and not on the others; every rank passes weights "
-                         f"to {leg} or none does")
-    return n
+        spans.append((name, a, b))

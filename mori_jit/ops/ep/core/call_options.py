@@ -12,7 +12,7 @@ from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpUnsupportedError
 
 __all__ = ["COMMUNICATOR_ATTR", "resolve_group", "pick_geometry", "check_combine_options",
-           "check_call_options", "check_buffer_request"]
+           "check_call_options", "refuse_train_options", "check_buffer_request"]
 
 #: The attribute of a communicator-like object (mori's ``mori.cco.Communicator`` as
 #: :mod:`mori_jit.compat.mori.cco` makes it) that holds the torch process group it runs on.
@@ -85,6 +85,26 @@ def check_call_options(op, schedule: Schedule, leg: str, num_tokens: int, geomet
         check_combine_options(*options)
     if geometry is not None:
         pick_geometry(schedule, leg, num_tokens, *geometry)
+
+
+def refuse_train_options(op, leg: str, geometry: Optional[tuple], count: bool = False,
+                         options: Optional[tuple] = None) -> None:
+    """The mori options of a differentiable call (:mod:`mori_jit.ops.ep.train`, which runs the op's
+    own calls with the op's choices): ``count`` and combine's ``options`` are checked as on any call
+    (a valid value changes nothing); a named ``geometry`` is refused, since the differentiable legs
+    (forward and backward) launch the op's own geometry. Each refusal depends only on the config
+    and the call's own values, so ranks calling alike refuse alike."""
+    if count and not op.cfg.expert_counts:
+        raise EpUnsupportedError("call_local_expert_count=True: the op counts local experts only with "
+                                 "EpDispatchCombineConfig.expert_counts=True")
+    if options is not None:
+        check_combine_options(*options)
+    if geometry is not None:
+        block_num, rdma_block_num, warp_per_block = geometry
+        raise EpUnsupportedError(f"{leg}: block_num={block_num}, rdma_block_num={rdma_block_num}, warp_per_block="
+                                 f"{warp_per_block}: a differentiable {leg} (an input requires grad) launches the "
+                                 f"op's own geometry; pass -1 (pin the geometry in the config: block and warp "
+                                 f"fields, or schedule)")
 
 
 def check_buffer_request(cfg, dtype, hidden_dim: Any) -> None:

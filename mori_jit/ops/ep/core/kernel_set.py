@@ -21,9 +21,13 @@ class KernelSet:
     the same along an earlier routing (None: no replay);
     ``combine(v, inp, weights, routing, out, out_w)`` → ``(y, y_w)`` (``out``/``out_w``: caller's
     output tensors or None); ``combine_expert_major(v, inp, routing, out)`` → ``y`` (None: no
-    expert-major layout). ``bound_launches``, for diagnostics (``tools/profile_ep_host.py``):
+    expert-major layout). ``bound_launches``, for diagnostics (``scripts/profile_ep_host.py``):
     per leg (``"dispatch"``, ``"combine"``), each bucket's zero-argument launch
     (:meth:`mori_jit.jit.plan.Plan.bind_struct`) of the args struct the leg's last call filled.
+    The split legs (None: not built): ``dispatch_send(v, x, weights, scales, indices, routing)``
+    (routing None: a dispatch, else a replay along it) and ``combine_send`` (``combine``'s
+    arguments) each send and return ``(outputs, receive)``: the leg's outputs, valid once the
+    zero-argument ``receive`` has run (:mod:`mori_jit.ops.ep.core.overlap`).
     """
 
     dispatch: Callable[..., tuple]
@@ -37,3 +41,5 @@ class KernelSet:
     bound_launches: dict[str, tuple[Callable[[], None], ...]] = dataclasses.field(default_factory=dict)
     replay: Optional[Callable[..., tuple]] = None
     combine_expert_major: Optional[Callable[..., torch.Tensor]] = None
+    dispatch_send: Optional[Callable[..., tuple[tuple, Callable[[], None]]]] = None
+    combine_send: Optional[Callable[..., tuple[tuple, Callable[[], None]]]] = None

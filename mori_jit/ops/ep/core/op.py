@@ -22,15 +22,18 @@ import torch.distributed as dist
 
 from mori_jit.ops.ep.memory.arena import SymmArena, keep_until_exit
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
-from mori_jit.ops.ep.core.arguments import agree_on_arguments, byte_span
+from mori_jit.ops.ep.core.agreement import agree_on_arguments, agree_on_step
+from mori_jit.ops.ep.core.arguments import byte_span
 from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
-from mori_jit.ops.ep.core.call_options import check_call_options, pick_geometry, resolve_group
+from mori_jit.ops.ep.core.call_options import check_call_options, pick_geometry, refuse_train_options, resolve_group
 from mori_jit.ops.ep.core.op_mori import MoriSurface
 from mori_jit.ops.ep.core.kernel_set import KernelSet
 from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
+from mori_jit.ops.ep.core.overlap import SplitLegs, refuse_in_flight_then
+from mori_jit.ops.ep.core.watch import watch_of
 from mori_jit.ops.ep.results import EpDispatchResult
 from mori_jit.ops.ep.memory.peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
-from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpDeviceError, EpPeerError, EpStateError, EpUnsupportedError
+from mori_jit.ops.ep.errors import EpConfigError, jit_errors_as_ep_errors, EpArgumentError, EpArgumentTypeError, EpDeviceError, EpError, EpPeerError, EpStateError, EpUnsupportedError
 
 _log = logging.getLogger(__name__)
 
@@ -38,6 +41,14 @@ __all__ = ["EpDispatchCombineOp"]
 
 _BACKENDS = {"hip": "mori_jit.ops.ep.backends.hip.backend:EpDispatchCombineOpHip",
              "torch": "mori_jit.ops.ep.backends.torch.backend:EpDispatchCombineOpTorch"}
+#: The differentiable calls (an input requires grad), named by module path like the backends.
+_TRAIN = "mori_jit.ops.ep.train.hooks"
+#: Router weights in a model's dtype: dispatch takes them and moves float32.
+_ROUTER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _train():
+    return importlib.import_module(_TRAIN)
 
 
 def _backend_class(name: str) -> type:
@@ -45,12 +56,13 @@ def _backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-class EpDispatchCombineOp(MoriSurface, abc.ABC):
+class EpDispatchCombineOp(SplitLegs, MoriSurface, abc.ABC):
     """Expert-parallel dispatch/combine over ``group``: None (WORLD), a torch process group, or a
     communicator-like object holding one as ``process_group`` (mori's ``mori.cco.Communicator``
     as :mod:`mori_jit.compat.mori` makes it). Collective to construct.
 
-    Use as a context manager or call :meth:`close` to release the arena.
+    Use as a context manager or call :meth:`close` to release the arena. Each leg also runs as a
+    send and a receive (:class:`~mori_jit.ops.ep.core.overlap.SplitLegs`).
     """
 
     _backend_paths = _BACKENDS
@@ -95,39 +107,57 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
         if missing:  # before any allocation
             raise EpUnsupportedError(f"backend {type(self).__name__} does not support: {'; '.join(missing)}")
         self.device = self._device(cfg)
+        self._watch = watch_of(self.group)  # (a group that a failed exchange left unusable is refused)
+        self._watch.check_usable(ask_the_store=ws > 1)
         # One collective tells every rank the others' host, device and config, so each decision
         # below is the same on every rank (a mismatch raises on all of them, none hangs).
         cards = gather_cards(self.group, RankCard.local(rank, self.device, cfg))
         mismatch = config_mismatch(cards)
         if mismatch:
-            raise EpArgumentError(mismatch)
+            raise EpConfigError(mismatch)
+        # the op's number on its group names it in the agreements (the same on every rank: ops are
+        # made collectively, in order)
+        self._number = self._watch.take_op_number()
         #: ranks of the group on this rank's GPU (this one included); they share its SMs/CUs
         self.ranks_per_device = ranks_sharing_device(cards, rank)
-        regions = self._regions(cfg)
+        with jit_errors_as_ep_errors():
+            regions = self._regions(cfg)
         self.memory_kind = self._memory_kind(cfg, cards) if regions else None
         self.arena = SymmArena.create(regions, self.group, self.device, self.memory_kind) if regions else None
         self._arena_span = byte_span(self.arena.tensor if self.arena is not None else None)
-        self._kernels = self._build_kernels(cfg, self.arena)
+        with jit_errors_as_ep_errors():
+            self._kernels = self._build_kernels(cfg, self.arena)
         # What every call reads, resolved once: the config's properties cost a Python call each,
         # and dispatch()/combine() have a host budget of a few microseconds.
         # _pick(num_tokens): the bucket index, a lookup among already-compiled variants, never a compile
         self._pick = self._kernels.schedule.index
         self._in_dtype, self._comb_dtype, self._cap = cfg.input_dtype, cfg.combine_dtype, cfg.recv_capacity
         self._routing = None  # the latest dispatch's routing
+        self._dispatches = self._routing_no = 0  # agreed dispatches; the one self._routing came from
         # scales=None is refused only where the caller must pass them (check_scales)
         self._scales_required = bool(cfg.scale_dim) and cfg.dispatch_quant_type in (None, "none")
         self._count_experts = cfg.expert_counts  # (local_expert_count: the latest dispatch's counts)
-        # backends whose legs are host collectives agree on the arguments first (see arguments.agree_on_arguments)
+        # backends whose legs are host collectives agree on the arguments first (see core/agreement.py)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
         self._closed = False
 
     def close(self) -> None:
         """Collective: release the arena and the kernels' state (idempotent). Every rank calls it
         (the context manager does): with IPC memory a rank frees its block only after every peer
-        has unmapped it."""
+        has unmapped it. The ranks agree first (core/agreement.py): a peer at another call, or none
+        within twice ``MORI_EP_TIMEOUT_S``, makes it raise on every rank, and the op is then let go of
+        without a release (as on leaving the context manager on an exception)."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        try:
+            self._watch.check_usable()
+            agree_on_step(self.group, (self._number, "close", None))
+        except EpError as e:
+            self._abandon(e)
+            if isinstance(e, EpStateError) and self._watch.failed is not None:
+                return  # (the group's failure was raised to the caller already)
+            raise
         self._kernels.close()
         if self.arena is not None:
             self.arena.close()
@@ -144,11 +174,15 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
             self.close()
         elif not getattr(self, "_closed", True):
             self._closed = True
-            keep_until_exit(self._kernels)  # (a kernel may still write its error words)
-            if self.arena is not None:
-                self.arena.abandon()
-                _log.warning("rank %d left an EpDispatchCombineOp on %s; its symmetric memory stays "
-                             "mapped until the process exits", self.cfg.rank, exc_type.__name__)
+            self._abandon(exc)
+
+    def _abandon(self, why: BaseException) -> None:
+        """Let go of the op without a collective release (see :meth:`SymmArena.abandon`)."""
+        keep_until_exit(self._kernels)  # (a kernel may still write its error words)
+        if self.arena is not None:
+            self.arena.abandon()
+            _log.warning("rank %d left an EpDispatchCombineOp on %s; its symmetric memory stays "
+                         "mapped until the process exits", self.cfg.rank, type(why).__name__)
 
     @property
     def kernels(self) -> KernelSet:
@@ -175,16 +209,26 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
         self._live()
 
     def reset(self) -> None:
-        """Collective: wait for the device, clear counters, flags and errors on every rank."""
+        """Collective: wait for the device, clear counters, flags and errors on every rank (which
+        agree first, as in :meth:`close`: a barrier would pair with any peer's collective)."""
         if self._closed:
             raise EpStateError("EpDispatchCombineOp is closed")
+        self._watch.check_usable()
+        agree_on_step(self.group, (self._number, "reset", None))
         self._kernels.reset()
+        self._in_flight = None  # (a send's receive is moot once the counters are cleared)
+
+    @property
+    def latest_routing(self):
+        """The routing of this op's latest dispatch that was not a replay (None before the first): the
+        only one ``combine``, ``combine_expert_major`` and a replay accept."""
+        return self._routing
 
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
                  indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
-                 return_result: bool = False, call_local_expert_count: bool = False, block_num: int = -1,
-                 rdma_block_num: int = -1, warp_per_block: int = -1):
+                 return_result: bool = False, return_recv_hook: bool = False, call_local_expert_count: bool = False,
+                 block_num: int = -1, rdma_block_num: int = -1, warp_per_block: int = -1):
         """Send each token to the ranks of its top-k experts (once per distinct rank).
 
         Args:
@@ -205,31 +249,54 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
             return_result: return an :class:`~mori_jit.ops.ep.results.EpDispatchResult` (every
                 output by name, with the expert counts and the expert-major layout the config asks
                 for) instead of the tuple.
+            return_recv_hook: run only the send (:meth:`dispatch_send`) and return its outputs
+                followed by a ``hook`` that receives (:meth:`dispatch_recv`): the tuple with the
+                hook appended, or ``(result, hook)`` with ``return_result``.
             call_local_expert_count: mori's request for :attr:`local_expert_count`; the op counts
                 on every dispatch when ``cfg.expert_counts`` (refused by name otherwise).
             block_num, rdma_block_num, warp_per_block: mori's per-call geometry (-1: the op's
                 choice): a geometry one of the op's built variants has is launched; any other is
                 refused by name (nothing compiles on a call; the kernels have no network blocks).
+                Not on the differentiable path (pin the geometry in the config there).
 
         Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
         ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
         valid, in arrival order; ``total_recv`` is a 1-element int32 device tensor (no host sync).
         Raises :class:`EpDeviceError` if an earlier call's kernel gave up; this call's own failure
         shows only in a later call or :meth:`check` (its outputs are then garbage).
+
+        ``weights`` may also be bf16/fp16 (a router in the model's dtype; moved as float32). With grad
+        mode on and ``input`` or ``weights`` requiring grad, the call is differentiable
+        (:mod:`mori_jit.ops.ep.train`: fresh outputs, a backward that sends the gradients home).
         """
-        k = self._live()
+        if return_recv_hook:
+            return self._with_hook("dispatch", self.dispatch_send(
+                input, weights, scales, indices, routing=routing, return_routing=return_routing,
+                return_result=return_result, call_local_expert_count=call_local_expert_count, block_num=block_num,
+                rdma_block_num=rdma_block_num, warp_per_block=warp_per_block))
         # (mori's -1 each: the common case, tested inline within the call's host budget)
         geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
             (block_num, rdma_block_num, warp_per_block)
-        args = (k, input, weights, scales, indices, routing, call_local_expert_count, geometry)
+        if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
+                and routing is None and torch.is_grad_enabled()):
+            refuse_train_options(self, "dispatch", geometry, count=call_local_expert_count)
+            return _train().dispatch(self, input, weights, scales, indices, return_routing, return_result)
+        if getattr(weights, "dtype", None) in _ROUTER_DTYPES:
+            weights = weights.float()
         if self._agree_per_call:
-            n = agree_on_arguments(self.group, "dispatch", weights is not None, self._check_dispatch, *args)
+            k, fresh = self._kernels, routing is None  # (a replay belongs to the dispatch it replays)
+            n = self._agree("dispatch" if fresh else "replay", self._dispatches + 1 if fresh else self._routing_no,
+                            weights is not None, self._check_dispatch, k, input, weights, scales, indices, routing,
+                            call_local_expert_count, geometry)
+            self._dispatches += fresh
         else:
-            n = self._check_dispatch(*args)
+            k = self._live()
+            n = self._check_dispatch(k, input, weights, scales, indices, routing, call_local_expert_count, geometry)
         v = self._pick(n) if geometry is None else pick_geometry(k.schedule, "dispatch", n, *geometry)
         if routing is None:
             res = k.dispatch(v, input, weights, scales, indices)
-            self._routing = res[5]  # the only routing combine accepts until the next dispatch
+            # the only routing combine accepts until the next dispatch
+            self._routing, self._routing_no = res[5], self._dispatches
         else:
             res = k.replay(v, input, weights, scales, routing)
         if self._count_experts:
@@ -240,15 +307,18 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
 
     def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing, count: bool = False,
                         geometry: Optional[tuple] = None) -> int:
-        """Raise TypeError/ValueError naming a bad argument; return the token count."""
+        """Raise TypeError/ValueError naming a bad argument (EpStateError while a leg is in flight);
+        return the token count."""
+        self._refuse_in_flight()
         n = check_dispatch_args(self, k, input, weights, scales, indices, routing)
         check_call_options(self, k.schedule, "dispatch", n, geometry, count=count)
         return n
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
                 indices: Optional[torch.Tensor] = None, *, routing=None, out: Optional[torch.Tensor] = None,
-                out_weights: Optional[torch.Tensor] = None, block_num: int = -1, rdma_block_num: int = -1,
-                warp_per_block: int = -1, use_external_inp_buf: int = -1, call_reset: bool = False):
+                out_weights: Optional[torch.Tensor] = None, return_recv_hook: bool = False, block_num: int = -1,
+                rdma_block_num: int = -1, warp_per_block: int = -1, use_external_inp_buf: int = -1,
+                call_reset: bool = False):
         """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
 
         ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
@@ -264,24 +334,46 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
         rank passes ``weights`` or none does (a rank sends its rows' weights to their home ranks
         even when it has no tokens of its own). Repeating a combine for the same dispatch is safe.
         Like :meth:`dispatch`, a combine whose kernel gave up returns garbage, reported by the next
-        call or by :meth:`check` once the device has run it.
+        call or by :meth:`check` once the device has run it. ``return_recv_hook``: run only the send
+        (:meth:`combine_send`) and return ``(out, out_weights, hook)``, the hook receiving.
+
+        With grad mode on and ``input`` or ``weights`` requiring grad, the call is differentiable
+        (its dispatch must have been: :mod:`mori_jit.ops.ep.train`).
         """
-        k = self._live()
-        if routing is None:
-            routing = self._routing
-            if routing is None:
-                raise EpStateError("combine: routing=None takes the latest dispatch's routing, and no dispatch has "
-                                   "run on this op yet")
+        if return_recv_hook:
+            return self._with_hook("combine", self.combine_send(
+                input, weights, indices, routing=routing, out=out, out_weights=out_weights, block_num=block_num,
+                rdma_block_num=rdma_block_num, warp_per_block=warp_per_block,
+                use_external_inp_buf=use_external_inp_buf, call_reset=call_reset))
+        routing = self._routing_or_latest("combine", routing)
         geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
             (block_num, rdma_block_num, warp_per_block)
         options = None if use_external_inp_buf == -1 and call_reset is False else (use_external_inp_buf, call_reset)
-        args = (input, weights, routing, out, out_weights, geometry, options)
+        if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
+                and torch.is_grad_enabled()):
+            refuse_train_options(self, "combine", geometry, options=options)
+            return _train().combine(self, input, weights, routing, out, out_weights)
         if self._agree_per_call:
-            n = agree_on_arguments(self.group, "combine", weights is not None, self._check_combine, *args)
+            k = self._kernels
+            n = self._agree("combine", self._routing_no, weights is not None, self._check_combine, input, weights,
+                            routing, out, out_weights, geometry, options)
         else:
-            n = self._check_combine(*args)
+            k = self._live()
+            n = self._check_combine(input, weights, routing, out, out_weights, geometry, options)
         v = self._pick(n) if geometry is None else pick_geometry(k.schedule, "combine", n, *geometry)
         return k.combine(v, input, weights, routing, out, out_weights)
+
+    def _routing_or_latest(self, call: str, routing):
+        """mori's ``routing=None``: the latest dispatch's routing (EpStateError before any)."""
+        if routing is not None:
+            return routing
+        if self._routing is None:
+            if self._closed:  # (a closed op, or a group a failed exchange left unusable, says so first)
+                raise EpStateError("EpDispatchCombineOp is closed")
+            self._watch.check_usable()
+            raise EpStateError(f"{call}: routing=None takes the latest dispatch's routing, and no dispatch has "
+                               f"run on this op yet")
+        return self._routing
 
     def combine_expert_major(self, input: torch.Tensor, *, routing, out: Optional[torch.Tensor] = None):
         """Sum each token's expert outputs given in the expert-major layout (``cfg.expert_capacity``).
@@ -295,18 +387,32 @@ class EpDispatchCombineOp(MoriSurface, abc.ABC):
 
         Returns ``out [n, hidden]`` (combine dtype), freshly allocated unless the caller passes it
         (written in place and returned). Collective: every rank calls it after the same dispatch.
+        Differentiable when grad mode is on and ``input`` requires grad (:mod:`mori_jit.ops.ep.train`).
         """
-        k = self._live()
+        if getattr(input, "requires_grad", False) and torch.is_grad_enabled():
+            return _train().combine_expert_major(self, input, routing, out)
+        k = self._kernels if self._agree_per_call else self._live()
         if k.combine_expert_major is None:
             raise EpUnsupportedError(f"{type(self).__name__} has no expert-major combine")
-        check = check_expert_major_input
+        check = refuse_in_flight_then(self, check_expert_major_input)
         args = (self.cfg, input, routing, self._routing, out, self.device, self._arena_span)
-        n = agree_on_arguments(self.group, "combine", False, check, *args) if self._agree_per_call else check(*args)
+        agreed = self._agree_per_call
+        n = self._agree("combine_expert_major", self._routing_no, False, check, *args) if agreed else check(*args)
         return k.combine_expert_major(self._pick(n), input, routing, out)
+
+    def _agree(self, call: str, of: int, weights_given: bool, check, *args) -> int:
+        """The ranks' agreement on this call, at step ``(op number, call, of)`` (``of``: the dispatch it
+        is or belongs to). A closed op refuses locally: its peers closed it with it (``close`` agrees)."""
+        if self._closed:
+            raise EpStateError("EpDispatchCombineOp is closed")
+        self._watch.check_usable()
+        return agree_on_arguments(self.group, (self._number, call, of), weights_given, check, *args)
 
     def _check_combine(self, input, weights, routing, out, out_weights, geometry: Optional[tuple] = None,
                        options: Optional[tuple] = None) -> int:
-        """Raise TypeError/ValueError naming a bad argument; return the token count."""
+        """Raise TypeError/ValueError naming a bad argument (EpStateError while a leg is in flight);
+        return the token count."""
+        self._refuse_in_flight()
         n = check_combine_args(self, input, weights, routing, out, out_weights)
         check_call_options(self, self._kernels.schedule, "combine", n, geometry, options=options)
         return n

@@ -17,11 +17,11 @@ from mori_jit.jit.plan import prepare
 from mori_jit.jit.toolchain import get_toolchain
 
 from mori_jit.ops.ep.memory.arena import SymmArena
-from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, LAYOUT, CombWord, EpMaxRecv, ErrCode
+from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, LAYOUT, CombWord, EpMaxRecv, EpPhase, ErrCode
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.intranode.errors import WAIT_MESSAGES, decode_error
 from mori_jit.ops.ep.backends.hip.common.grid import ranks_dividing_cus
-from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset, make_combine, receive_views
+from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views
 from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
 from mori_jit.ops.ep.backends.hip.intranode.moe_views import ExpertLayouts, ScaleViews, expert_major_combine
 from mori_jit.ops.ep.quant import ue8m0_dtype
@@ -46,7 +46,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
         missing = hip_gaps(cfg)  # (shared with mori-jit precompile --ep)
         if not torch.cuda.is_available():
-            missing.append("a CUDA/ROCm device (none visible)")
+            missing.append("a CUDA/ROCm device (none visible; kernel_backend='torch' runs the same op on "
+                           "torch.distributed collectives, on the CPU too)")
         elif cfg.is_internode and not missing:
             from mori_jit.ops.ep.memory.nvshmem import nvshmem_gap
             why = nvshmem_gap(self.group)
@@ -113,17 +114,22 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         layouts = ExpertLayouts(arena, cfg) if cfg.expert_capacity else None
         out_w_ptr = out_w.data_ptr()
 
+        def moe_views(out_s, weights):
+            # EpDispatchResult's last two: the local expert counts and the expert-major layout
+            return counts, layouts.of(out_s, weights is not None) if layouts is not None else None
+
+        def lay_out(v, weights, replay):
+            # the layout kernel builds the layout (a replay: refills it) from the received rows
+            if layouts is not None:
+                largs.inpWeights = out_w_ptr if weights is not None else 0  # (the received weights)
+                largs.replay = replay
+                layout_launch[v]()
+
         def moe_outputs(v, out_s, weights, replay):
-            # EpDispatchResult's last two: the local expert counts and the expert-major layout, which
-            # the layout kernel builds (a replay: refills) from the received rows
             if counts is None:
                 return None
-            if layouts is None:
-                return counts, None
-            largs.inpWeights = out_w_ptr if weights is not None else 0  # (the received weights)
-            largs.replay = replay
-            layout_launch[v]()
-            return counts, layouts.of(out_s, weights is not None)
+            lay_out(v, weights, replay)
+            return moe_views(out_s, weights)
 
         given = arena.tensor.data_ptr()  # (see _weights_ptr)
 
@@ -144,19 +150,50 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
             dargs.inpWeights = _weights_ptr(weights, given)
             dargs.numTokens = x.shape[0]
             dargs.inpScales = scales.data_ptr() if scales is not None else 0
-            dargs.replay = 1
-            try:
-                disp_launch[v]()
-            finally:
-                dargs.replay = 0  # (the args struct is the dispatch's too)
+            launch(disp_launch, v, 1)
             out_s = scale_views.of(scales)
             return (out, out_w if weights is not None else None, out_s, out_idx, total_recv, routing,
                     moe_outputs(v, out_s, weights, 1))
+
+        def launch(launches, v, replay):
+            # with the replay flag set for this launch only (the args struct is every dispatch's)
+            dargs.replay = replay
+            try:
+                launches[v]()
+            finally:
+                dargs.replay = 0
+
+        # the split legs: each bucket's send and receive kernels, on the legs' own args structs
+        # (the op runs nothing else on them between a send and its receive)
+        halves = {(kind, ph): [plans[(kind, c)].bind_struct(dargs if kind == DISPATCH else cargs)
+                               for c in var.half(kind, ph)]
+                  for kind in (DISPATCH, COMBINE) for ph in (EpPhase.Send, EpPhase.Recv)}
+
+        def dispatch_send(v, x, weights, scales, indices, routing):
+            replay = int(routing is not None)
+            dargs.inpTok = x.data_ptr()
+            dargs.inpWeights = _weights_ptr(weights, given)
+            if not replay:  # (a replay keeps the dispatch's ids)
+                dargs.inpIndices = indices.data_ptr()
+            dargs.numTokens = x.shape[0]
+            dargs.inpScales = scales.data_ptr() if scales is not None else 0
+            launch(halves[DISPATCH, EpPhase.Send], v, replay)
+            out_s = scale_views.of(scales)
+
+            def receive():
+                launch(halves[DISPATCH, EpPhase.Recv], v, replay)
+                lay_out(v, weights, replay)
+
+            return (out, out_w if weights is not None else None, out_s, out_idx, total_recv,
+                    routing if replay else HipRouting(x.shape[0], recv_src, total_recv),
+                    moe_views(out_s, weights) if counts is not None else None), receive
 
         # from the default allocator (never from inp, which may lie in the symmetric arena)
         new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, dev)
 
         combine = make_combine(cargs, comb_launch, new_outputs, given)
+        combine_send = make_combine_send(cargs, halves[COMBINE, EpPhase.Send], halves[COMBINE, EpPhase.Recv],
+                                         new_outputs, given)
 
         expert_combine = expert_major_combine(cfg, var, plans, base, dev)  # (None without the layout)
 
@@ -184,4 +221,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
                          check=check, reset=lambda: collective_reset(dev, self.group, clear),
                          combine_input_buffer=inp_buffer.get, close=close,
                          bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)},
-                         replay=replay if cfg.routing_replay else None, combine_expert_major=expert_combine)
+                         replay=replay if cfg.routing_replay else None, combine_expert_major=expert_combine,
+                         dispatch_send=dispatch_send if var.split else None,
+                         combine_send=combine_send if var.split else None)

@@ -11,18 +11,18 @@ from typing import Optional
 
 import torch
 
-from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 
-from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpIsValid, EpRangeTok, make_ep_cfg, region_bytes
+from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpIsValid, EpPhase, EpRangeTok, make_ep_cfg, region_bytes
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.gaps import hip_gaps
-from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus, check_pin, grid_budget
+from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus
+from mori_jit.ops.ep.backends.hip.common.request import GridShare, ep_dtype, kernel_fields
 from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.backends.hip.intranode.tuning import BULK_DISPATCH_MIN_TOKENS, LOW_LATENCY_MAX_TOKENS, ONE_TOKEN_COMBINE, lookup, schedule_from_buckets
 from mori_jit.ops.ep.errors import EpConfigError
 
-__all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "ep_dtype", "plan_requests",
+__all__ = ["EpVariants", "ep_variants", "combine_low_latency", "DEFAULT_NUM_CUS", "plan_requests",
            "config_from_strings", "precompile_targets", "hip_gaps", "dispatch_moe_fields"]
 
 #: CU/SM counts used when no device is present (precompile); the live op reads the device.
@@ -38,11 +38,6 @@ def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
             "quantFp8Block128": cfg.dispatch_quant_type == "fp8_e4m3_block128", "expertCapacity": cfg.expert_capacity}
 
 
-def ep_dtype(torch_dtype) -> EpDType:
-    """The EpDType tag of a torch dtype (uint8 carries fp4x2 pairs)."""
-    return EpDType.coerce(torch_dtype)
-
-
 @dataclasses.dataclass(frozen=True)
 class EpVariants:
     """The schedule and, per bucket, the dispatch and combine EpCfg it launches."""
@@ -53,14 +48,26 @@ class EpVariants:
     #: per bucket, the combine of ``combine_expert_major`` (the expert layout only): the combine's
     #: EpCfg moving float32 rows (the local sums), so the result is rounded once
     expert_combine: tuple[EpCfg, ...] = ()
+    #: the split legs (``split_send_recv``): each bucket's dispatch and combine also run in halves
+    split: bool = False
+
+    def half(self, kind: str, phase: EpPhase) -> tuple[EpCfg, ...]:
+        """Per bucket, the ``kind`` leg's EpCfg for one half of the split legs (the whole leg's
+        EpCfg, but for its phase); empty without them."""
+        if not self.split:
+            return ()
+        return tuple(dataclasses.replace(c, phase=phase) for c in (self.dispatch if kind == DISPATCH else self.combine))
 
     def all_cfgs(self) -> list[tuple[str, EpCfg]]:
         """Distinct (kind, cfg) pairs — the set of binaries to compile (a dispatch with the
-        expert-major layout brings its layout kernel, and the combine its local sum)."""
+        expert-major layout brings its layout kernel, the combine its local sum, and the split legs
+        each leg's send and receive kernels)."""
+        halves = [(kind, c) for kind in (DISPATCH, COMBINE) for phase in (EpPhase.Send, EpPhase.Recv)
+                  for c in self.half(kind, phase)]
         out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine]
                             + [(LAYOUT, c) for c in self.dispatch if c.expertCapacity]
                             + [(EXPERT_SUM, c) for c in self.combine if self.expert_combine]
-                            + [(COMBINE, c) for c in self.expert_combine])
+                            + [(COMBINE, c) for c in self.expert_combine] + halves)
         return list(out)
 
     def region_bytes(self) -> dict[str, int]:
@@ -91,26 +98,19 @@ def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
     path (tuning: ``tuning.BULK_DISPATCH_MIN_TOKENS``): rows go to peers (one rank copies only
     into its own memory, where the path measured slower), the arch has the unit, a block can own
     that many tokens, and ``c`` stays valid with it (its stages fit in shared memory). A request: a
-    ``MORI_V2_EP_*`` override wins."""
+    ``MORI_EP_CFG_*`` override wins."""
     probe = types.SimpleNamespace(**{**vars(c), "bulkMinTokens": BULK_DISPATCH_MIN_TOKENS})  # (EpCfg would raise)
     return (c.worldSize > 1 and has_bulk_copy(arch) and -(-max_tokens // c.blockNum) >= BULK_DISPATCH_MIN_TOKENS
             and EpIsValid(probe))
 
 
-def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency: bool,
-              ranks_per_device: int = 1) -> Schedule:
-    budget = grid_budget(num_cus, ranks_per_device)
-    check = lambda what, blocks: check_pin(what, blocks, budget, num_cus, ranks_per_device)  # noqa: E731
+def _schedule(cfg: EpDispatchCombineConfig, share: GridShare, arch: str, low_latency: bool) -> Schedule:
+    share.check_pins(cfg)
+    budget = share.budget
     if cfg.schedule is not None:
-        for b in cfg.schedule:
-            check(f"schedule bucket {tuple(b)!r} dispatch blocks", b[1])
-            check(f"schedule bucket {tuple(b)!r} combine blocks", b[3])
         disp = [(b[0], b[1], b[2]) for b in cfg.schedule]
         comb = [(b[0], b[3], b[4]) for b in cfg.schedule]
         return schedule_from_buckets(disp, comb, budget)
-    for field in ("dispatch_block_num", "combine_block_num"):
-        if getattr(cfg, field) is not None:
-            check(field, getattr(cfg, field))
     base = lookup(ep_dtype(cfg.dispatch_dtype).name.lower(), cfg.world_size, cfg.hidden_dim,
                   cfg.num_experts_per_token, cfg.num_experts_per_rank, budget,
                   max_warps=EP_MAX_BLOCK_THREADS // wave_size_for_arch(arch))
@@ -126,41 +126,34 @@ def _schedule(cfg: EpDispatchCombineConfig, num_cus: int, arch: str, low_latency
 def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per_device: int = 1) -> EpVariants:
     """Every EpCfg the op for ``cfg`` on ``arch`` launches, by bucket, on a device of ``num_cus``
     CUs/SMs that ``ranks_per_device`` ranks of the group share (each sizes its grids to its share).
-    A geometry pin beyond the share raises ConfigError."""
-    check_num_cus(num_cus)
-    if ranks_per_device < 1:
-        raise EpConfigError(f"ranks_per_device={ranks_per_device}: expected >= 1")
+    A geometry pin beyond the share raises EpConfigError."""
+    share = GridShare(num_cus, ranks_per_device)
     low = combine_low_latency(cfg, arch)
-    sched = _schedule(cfg, num_cus, arch, low, ranks_per_device)
-    budget = grid_budget(num_cus, ranks_per_device)
-    common = {"worldSize": cfg.world_size, "hiddenDim": cfg.hidden_dim, "maxTokPerRank": cfg.max_num_inp_token_per_rank,
-              "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
-              "maxRecv": cfg.max_total_recv_tokens}
+    sched = _schedule(cfg, share, arch, low)
 
-    def leg(kind, dtype, geos, **extra):
-        return tuple(make_ep_cfg(kind, arch, {**common, "dtype": ep_dtype(dtype), "blockNum": b, "warpPerBlock": w,
-                                              **extra})
-                     for b, w in geos)
+    def leg(kind, geo, **extra):
+        return make_ep_cfg(kind, arch, {**kernel_fields(cfg, kind), "blockNum": geo[0], "warpPerBlock": geo[1], **extra})
 
-    def combine(geo):  # one-token ranges take their tuning, as requests (a MORI_V2_EP_* override wins)
-        c = leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low)[0]
-        return c if EpRangeTok(c) == 2 else leg(COMBINE, cfg.combine_dtype, [geo], lowLatency=low, **ONE_TOKEN_COMBINE)[0]
+    def combine(geo):  # one-token ranges take their tuning, as requests (a MORI_EP_* override wins)
+        c = leg(COMBINE, geo, lowLatency=low)
+        return c if EpRangeTok(c) == 2 else leg(COMBINE, geo, lowLatency=low, **ONE_TOKEN_COMBINE)
 
     moe = dispatch_moe_fields(cfg)
 
     def dispatch(edge, geo):  # a bucket whose blocks can own enough tokens takes the bulk path, as a request
-        c = leg(DISPATCH, cfg.dispatch_dtype, [geo], **moe)[0]
-        return leg(DISPATCH, cfg.dispatch_dtype, [geo], bulkMinTokens=BULK_DISPATCH_MIN_TOKENS, **moe)[0] \
+        c = leg(DISPATCH, geo, **moe)
+        return leg(DISPATCH, geo, bulkMinTokens=BULK_DISPATCH_MIN_TOKENS, **moe) \
             if _bulk_dispatch(c, arch, min(edge or cfg.max_num_inp_token_per_rank, cfg.max_num_inp_token_per_rank)) else c
 
     comb = tuple(combine(geo) for geo in sched.combine)
-    for c in comb:  # MORI_V2_EP_* overrides come after: refuse what would deadlock or corrupt
-        check_pin("combine blockNum", c.blockNum, budget, num_cus, ranks_per_device, "; check MORI_V2_EP_*BLOCK_NUM")
+    for c in comb:  # MORI_EP_* overrides come after: refuse what would deadlock or corrupt
+        share.check("combine blockNum", c.blockNum, "; check MORI_EP_*BLOCK_NUM")
         if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
-            raise EpConfigError(f"combine lowLatency={c.lowLatency} from MORI_V2_EP_*LOW_LATENCY: set "
+            raise EpConfigError(f"combine lowLatency={c.lowLatency} from MORI_EP_CFG_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")
     expert = tuple(dataclasses.replace(c, dtype=EpDType.Fp32) for c in comb) if cfg.expert_capacity else ()
-    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb, expert)
+    return EpVariants(sched, tuple(dispatch(e, g) for e, g in zip(sched.edges, sched.dispatch)), comb, expert,
+                      cfg.split_send_recv)
 
 
 def combine_low_latency(cfg: EpDispatchCombineConfig, arch: str) -> bool:
@@ -190,7 +183,7 @@ def _dtype_from_string(value: str):
 #: a string field's annotation, as text (postponed annotations) or as the type
 _STR_TYPES = ("str", "Optional[str]", str, Optional[str])
 #: the config's on/off fields, and the words that set them on the command line
-_FLAG_FIELDS = ("combine_low_latency", "expert_counts", "routing_replay")
+_FLAG_FIELDS = ("combine_low_latency", "expert_counts", "routing_replay", "split_send_recv")
 _FLAGS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
 
 
@@ -208,7 +201,7 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
     Keys are :class:`EpDispatchCombineConfig` fields (``rank`` defaults to 0) plus ``num_cus``;
     dtype fields take ``bf16``/``fp32``/``fp8``/``fp4x2`` or torch dtype names, ``index_dtype``
     ``int32``/``int64``, and the on/off fields (``combine_low_latency``, ``expert_counts``,
-    ``routing_replay``) ``on``/``off`` (or true/false, 1/0).
+    ``routing_replay``, ``split_send_recv``) ``on``/``off`` (or true/false, 1/0).
     """
     fields = {f.name: f for f in dataclasses.fields(EpDispatchCombineConfig)}
     kwargs: dict = {"rank": 0}
@@ -246,7 +239,7 @@ def config_from_strings(request: dict[str, str]) -> tuple[EpDispatchCombineConfi
 
 def precompile_targets(request: dict[str, str], arch: str) -> list[tuple]:
     """What ``mori-jit precompile --ep ...`` builds: exactly :func:`plan_requests` of that op (an
-    internode op's: :func:`.internode_variants.net_variants`). A config the live op refuses
+    internode op's: :func:`.internode.variants.net_variants`). A config the live op refuses
     (:func:`hip_gaps`) is refused here too."""
     cfg, num_cus = config_from_strings(request)
     gaps = hip_gaps(cfg, arch)

@@ -3,7 +3,12 @@
 The parity oracle and the baseline users would otherwise write. Runs on any process group (NCCL,
 RCCL, gloo on CPU). It syncs the host (token counts) and cannot be captured in a graph. It is the
 reference of every MoE feature (docs/design.md §6): per-token scales, ``dispatch_quant_type``, int64 ids,
-local expert counts, the expert-major layout and its combine, and routing replay.
+local expert counts, the expert-major layout and its combine, and routing replay; and each leg
+as a send and a receive (``split``).
+
+Each call's collectives are waited for with a bound (:mod:`~mori_jit.ops.ep.core.watch`): a rank
+that raises between the ranks' agreement and its call's last collective records that, so its peers
+raise too instead of waiting in an exchange it left.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
 from mori_jit.ops.ep.quant import combine_quant_gap, quant_spec, quantize
 from mori_jit.ops.ep.backends.torch.reference import reference_combine, reference_dispatch
 from mori_jit.ops.ep.backends.torch.reference_moe import TorchMoeRouting, expert_layout, expert_map, expert_rows_sum, reference_replay
+from mori_jit.ops.ep.backends.torch.split import empty_moe_outputs, fill_moe_outputs, post_combine, post_dispatch, post_replay
+from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpCapacityError
 
 __all__ = ["EpDispatchCombineOpTorch", "TORCH_COMBINE_QUANT_TYPES"]
@@ -41,7 +48,11 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
         return {}  # buffers come from the collectives; no symmetric arena
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena) -> KernelSet:
-        group, spec, device = self.group, quant_spec(cfg.dispatch_quant_type), self.device
+        group, spec, watch, device = self.group, quant_spec(cfg.dispatch_quant_type), self._watch, self.device
+
+        def exchange(call: str, collectives: int) -> Exchange:
+            # ``collectives``: how many the call makes (a peer may wait in any not yet made)
+            return Exchange(group, watch, f"{call} of op #{self._number}", collectives)
 
         def payload(x, scales):
             # under dispatch_quant_type the op makes the fp8 rows and their scales; else they are the caller's
@@ -56,29 +67,40 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
                 layout = expert_layout(m, out, out_s, out_w, routing.recv_src, routing.total_recv)
             return m.counts, layout
 
-        def dispatch(_v, x, weights, scales, indices):
-            x, scales = payload(x, scales)
+        def leg_args(x, weights, scales, indices):
             w = weights if weights is not None else torch.zeros(indices.shape, dtype=torch.float32, device=x.device)
-            out, out_w, out_s, out_idx, total, base = reference_dispatch(
-                group, cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
-                x, w, scales, indices, cfg.recv_capacity)
-            experts = None
-            if cfg.expert_counts:  # (raises EpCapacityError on overflow, after the exchange)
-                experts = expert_map(out_idx, base.total_recv, cfg.rank, cfg.num_experts_per_rank, cfg.expert_capacity)
+            return (group, cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
+                    x, w, scales, indices, cfg.recv_capacity)
+
+        capacity = dict(expert_capacity=cfg.expert_capacity)  # (an overflow: every rank raises, nothing is sent)
+
+        def experts_of(out_idx, total):
+            if not cfg.expert_counts:
+                return None
+            return expert_map(out_idx, total, cfg.rank, cfg.num_experts_per_rank, cfg.expert_capacity)
+
+        def dispatch(_v, x, weights, scales, indices):
+            with exchange("dispatch", 2) as ex:
+                x, scales = payload(x, scales)
+                out, out_w, out_s, out_idx, total, base = reference_dispatch(*leg_args(x, weights, scales, indices),
+                                                                             exchange=ex, **capacity)
+            experts = experts_of(out_idx, base.total_recv)
             routing = TorchMoeRouting(**vars(base), out_indices=out_idx, experts=experts,
                                       recv_capacity=cfg.recv_capacity)
             out_w = out_w if weights is not None else None
             return out, out_w, out_s, out_idx, total, routing, moe_outputs(routing, out, out_w, out_s)
 
         def replay(_v, x, weights, scales, routing):
-            x, scales = payload(x, scales)
-            out, out_w, out_s = reference_replay(group, routing, x, weights, scales)
+            with exchange("replay", 1) as ex:
+                x, scales = payload(x, scales)
+                out, out_w, out_s = reference_replay(group, routing, x, weights, scales, exchange=ex)
             total = torch.tensor([routing.total_recv], dtype=torch.int32, device=x.device)
             return (out, out_w, out_s, routing.out_indices, total, routing,
                     moe_outputs(routing, out, out_w, out_s))
 
         def combine(_v, inp, weights, routing, out, out_w):
-            y, y_w = reference_combine(group, routing, inp, weights, cfg.combine_dtype)
+            with exchange("combine", 1) as ex:
+                y, y_w = reference_combine(group, routing, inp, weights, cfg.combine_dtype, exchange=ex)
             if out is not None:
                 y = out.copy_(y)
             if out_w is not None:
@@ -87,8 +109,9 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
 
         def combine_expert_major(_v, inp, routing, out):
             # each receive row's entries summed here in float32, sent as float32: one rounding, at the end
-            rows = expert_rows_sum(routing.experts, inp, routing.total_recv)
-            y, _ = reference_combine(group, routing, rows, None, cfg.combine_dtype)
+            with exchange("combine_expert_major", 1) as ex:
+                rows = expert_rows_sum(routing.experts, inp, routing.total_recv)
+                y, _ = reference_combine(group, routing, rows, None, cfg.combine_dtype, exchange=ex)
             return out.copy_(y) if out is not None else y
 
         buffer = []  # the combine input buffer, made on first request (an op that never asks costs nothing)
@@ -98,7 +121,40 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
                 buffer.append(torch.empty(cfg.recv_capacity, cfg.hidden_dim, dtype=cfg.combine_dtype, device=device))
             return buffer[0]
 
+        def dispatch_send(_v, x, weights, scales, indices, routing):
+            # the legs above as a send that posts the payload exchange and a receive that unpacks it
+            fresh = routing is None  # (a replay keeps its dispatch's expert map)
+            # (the counts, then the payload's post: the receive waits for it, with the same bound)
+            with exchange("dispatch_send", 2 if fresh else 1) as ex:
+                x, scales = payload(x, scales)
+                if not fresh:
+                    (out, out_w, out_s), receive = post_replay(group, routing, x, weights, scales, exchange=ex)
+                else:
+                    (out, out_w, out_s, out_idx, total, base), receive = post_dispatch(
+                        *leg_args(x, weights, scales, indices), exchange=ex, **capacity)
+            if not fresh:
+                total = torch.tensor([routing.total_recv], dtype=torch.int32, device=x.device)
+                outputs = (out, out_w, out_s, routing.out_indices, total, routing)
+            else:
+                routing = TorchMoeRouting(**vars(base), out_indices=out_idx, recv_capacity=cfg.recv_capacity)
+                out_w = out_w if weights is not None else None
+                outputs = (out, out_w, out_s, out_idx, total, routing)
+            moe = empty_moe_outputs(cfg, out, out_w, out_s)
+
+            def finish():
+                receive()
+                if fresh:
+                    routing.experts = experts_of(routing.out_indices, routing.total_recv)
+                fill_moe_outputs(moe, moe_outputs(routing, out, out_w, out_s))
+
+            return (*outputs, moe), finish
+
+        def combine_send(_v, inp, weights, routing, out, out_w):
+            with exchange("combine_send", 1) as ex:
+                return post_combine(group, routing, inp, weights, cfg.combine_dtype, out, out_w, exchange=ex)
+
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
                          capabilities=frozenset({"scales", "gloo", "nccl", "host_collectives"}),
                          combine_input_buffer=combine_input_buffer, replay=replay,
-                         combine_expert_major=combine_expert_major)
+                         combine_expert_major=combine_expert_major, dispatch_send=dispatch_send,
+                         combine_send=combine_send)

@@ -14,6 +14,11 @@ Semantics, exactly as the op's contract:
   rows therefore come grouped by source rank ascending, tokens ascending within a source.
 * Combine sends every received row back to its source and sums the returned rows of each token in
   float32 (an *unweighted* sum; the expert side applies the top-k weights).
+* Every rank learns every rank's send counts (one ``all_gather``, :mod:`.counts`), so an error
+  that the counts decide (a rank would receive more rows than its capacity, an expert more pairs
+  than ``expert_capacity``) is raised on every rank, before any row moves. The collectives run
+  through an :class:`~mori_jit.ops.ep.core.watch.Exchange` (plain blocking ones by default; the op
+  passes one that bounds its waits).
 
 Every payload travels as raw bytes (``uint8``), packed into one row per sent token, so that dtypes
 a backend cannot reduce or even transport (bf16 and fp8 on gloo) move bit-exactly and each leg
@@ -26,8 +31,10 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from mori_jit.ops.ep.errors import EpArgumentError, EpDeviceError
+
+from mori_jit.ops.ep.backends.torch.counts import gather_counts
+from mori_jit.ops.ep.core.watch import Exchange
+from mori_jit.ops.ep.errors import EpArgumentError
 
 __all__ = ["TorchRouting", "reference_dispatch", "reference_combine"]
 
@@ -69,11 +76,16 @@ def _row_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _from_row_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     """Inverse of :func:`_row_bytes`: reinterpret ``[rows, cols * elsize]`` bytes as ``dtype``."""
-    # .contiguous() because b is usually a column slice of a packed buffer, and a dtype view
-    # needs a dense last dimension and aligned row strides.
     if b.numel() == 0:
         return torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
-    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+    # A dtype view needs dense rows, and a storage offset and row stride that are multiples of the
+    # element size. ``b`` is usually a column slice of a packed buffer: its rows are not dense, and
+    # a single row (which torch calls contiguous) keeps the packed row's stride and starts where the
+    # fields before it end (an int64 column after the 4-byte source id starts at offset 4). A fresh
+    # dense copy (offset 0) is viewable; a tensor that already is one is viewed as it is.
+    if b.stride() != (b.shape[1], 1) or b.storage_offset() % dtype.itemsize:
+        b = b.clone(memory_format=torch.contiguous_format)
+    return b.view(dtype).reshape(b.shape[0], cols)
 
 
 def _pack_rows(fields: list[torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
@@ -101,13 +113,6 @@ def _destination_mask(indices: torch.Tensor, world_size: int, num_experts_per_ra
     return mask[:, :world_size]
 
 
-def _exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all of one int64 count per peer: returns how many rows each peer will send us."""
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    return recv_counts
-
-
 def reference_dispatch(
     group,
     rank: int,
@@ -119,6 +124,8 @@ def reference_dispatch(
     scales: torch.Tensor | None,
     indices: torch.Tensor,
     recv_capacity: int,
+    exchange: Exchange | None = None,
+    expert_capacity: int = 0,
 ):
     """Send each token to every distinct rank that holds one of its experts.
 
@@ -134,6 +141,9 @@ def reference_dispatch(
         indices: ``[n, k]`` integer expert ids; int32 and int64 travel as they are, other integer
             dtypes as int32.
         recv_capacity: rows of the output buffers.
+        exchange: runs the collectives (None: plain blocking ones on ``group``).
+        expert_capacity: > 0: every rank refuses a dispatch in which an expert would receive more
+            (token, expert) pairs (the op's ``expert_capacity``).
 
     Returns:
         ``(out [cap, H] x.dtype, out_weights [cap, k] f32, out_scales [cap, S] | None,
@@ -142,8 +152,9 @@ def reference_dispatch(
 
     Raises:
         ValueError: malformed inputs (checked before any collective, so every rank raises alike).
-        RuntimeError: this rank received more rows than ``recv_capacity``. The payload exchange
-            has already completed on every rank, so peers are not left hanging in a collective.
+        EpDeviceError (a RuntimeError): some rank would receive more rows than ``recv_capacity``;
+            every rank raises it, after the counts and before any row moves. EpCapacityError (an
+            EpDeviceError): likewise for an expert beyond ``expert_capacity``.
     """
     if x.dim() != 2 or indices.dim() != 2 or weights.dim() != 2:
         raise EpArgumentError("x, weights and indices must be 2-D")
@@ -159,16 +170,15 @@ def reference_dispatch(
     if scales is not None and (scales.dim() != 2 or scales.shape[0] != n):
         raise EpArgumentError(f"scales must be [n, S] with n = {n}, got {tuple(scales.shape)}")
     device = x.device
+    ex = exchange if exchange is not None else Exchange.plain(group)
 
     # --- routing: which (destination, token) pairs to send, in send order ------------------------
     mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
     # nonzero() on the transposed mask yields (dest, tok) in row-major order: grouped by
     # destination ascending, tokens ascending inside a group -- exactly the send order.
     send_tok = mask.t().nonzero()[:, 1].contiguous()
-    send_counts_t = mask.sum(dim=0, dtype=torch.int64)
-    recv_counts_t = _exchange_counts(send_counts_t, group)
-    send_counts = [int(c) for c in send_counts_t.tolist()]
-    recv_counts = [int(c) for c in recv_counts_t.tolist()]
+    send_counts, recv_counts = gather_counts(mask, indices, rank, world_size, num_experts_per_rank, recv_capacity,
+                                             expert_capacity, ex)
     total = sum(recv_counts)
 
     # --- payload: one packed byte row per sent token ---------------------------------------------
@@ -187,11 +197,7 @@ def reference_dispatch(
     widths = [f.shape[1] for f in fields]
     send = _pack_rows(fields, send_tok)
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
-
-    if total > recv_capacity:
-        raise EpDeviceError(
-            f"EP dispatch on rank {rank}: received {total} rows but recv_capacity is {recv_capacity}")
+    ex.all_to_all(recv, send, recv_counts, send_counts)
 
     # --- unpack into capacity-sized outputs ------------------------------------------------------
     ends = list(itertools.accumulate(widths))
@@ -221,6 +227,7 @@ def reference_combine(
     expert_out: torch.Tensor,
     weights: torch.Tensor | None,
     out_dtype: torch.dtype,
+    exchange: Exchange | None = None,
 ):
     """Return each received row to its source and sum the rows of every token in float32.
 
@@ -234,6 +241,7 @@ def reference_combine(
         weights: ``[>= total_recv, k]`` weights to sum alongside (converted to float32), or None.
         out_dtype: dtype of ``y``. Byte dtypes (fp8, uint8, ...) are refused: they can be moved
             but not summed.
+        exchange: runs the collective (None: a plain blocking one on ``group``).
 
     Returns:
         ``(y [n, H] out_dtype, y_w [n, k] f32 | None)``: ``y[t]`` is the float32 sum of the rows
@@ -259,7 +267,8 @@ def reference_combine(
     # Reverse exchange: what we received from peer r goes back to r, and we get back exactly the
     # rows we sent, in our send order (which is routing.send_tok's order).
     back = torch.empty(sum(routing.send_counts), send.shape[1], dtype=torch.uint8, device=device)
-    dist.all_to_all_single(back, send, routing.send_counts, routing.recv_counts, group=group)
+    ex = exchange if exchange is not None else Exchange.plain(group)
+    ex.all_to_all(back, send, routing.send_counts, routing.recv_counts)
 
     n = routing.num_tokens
     send_tok = routing.send_tok.to(device)

@@ -3,8 +3,9 @@ local expert counts, the expert-major layout, the local sum of an expert-major c
 replay of a payload along an earlier routing.
 
 Counts and the layout are computed from the received rows' expert ids with device tensor ops only
-(scatter, stable sort, gather), so they add no host sync of their own; checking ``capacity`` for
-overflow reads the counts on the host (the ``torch`` backend syncs anyway).
+(scatter, stable sort, gather), so they add no host sync of their own. An overflow of
+``capacity`` never reaches them: every rank refuses such a dispatch from the gathered counts,
+before any row moves (:mod:`.counts`).
 Entries follow receive order: receive row ascending, then top-k slot; one entry per valid slot
 (a token naming one expert twice has two).
 """
@@ -14,11 +15,10 @@ import dataclasses
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from mori_jit.ops.ep.backends.torch.reference import TorchRouting, _from_row_bytes, _pack_rows, _row_bytes
+from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.results import EpExpertLayout
-from mori_jit.ops.ep.errors import EpCapacityError
 
 __all__ = ["ExpertMap", "TorchMoeRouting", "expert_map", "expert_layout", "expert_rows_sum", "reference_replay"]
 
@@ -57,26 +57,18 @@ class TorchMoeRouting(TorchRouting):
 
 def expert_map(out_indices: torch.Tensor, total: int, rank: int, num_experts_per_rank: int,
                capacity: int) -> ExpertMap:
-    """Count and place the valid slots of the ``total`` received rows among the local experts.
-
-    Raises:
-        EpCapacityError: some expert received more than ``capacity`` slots (``capacity > 0``).
-    """
+    """Count and place the valid slots of the ``total`` received rows among the local experts
+    (slots beyond ``capacity``, which the dispatch refuses before any row moves, land on the spare
+    entry)."""
     E, k, device = num_experts_per_rank, out_indices.shape[1], out_indices.device
     local = out_indices[:total].long() - rank * E  # ids of other ranks and invalid ids fall outside [0, E)
     key = torch.where((local >= 0) & (local < E), local, torch.full_like(local, E)).reshape(-1)
     counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    if capacity and total and bool((counts[:E] > capacity).any()):
-        over = [(e, int(c)) for e, c in enumerate(counts[:E].tolist()) if c > capacity]
-        raise EpCapacityError(
-            f"EP dispatch on rank {rank}: local experts {', '.join(f'{e} ({c} pairs)' for e, c in over)} received "
-            f"more than expert_capacity={capacity} (token, expert) pairs; raise expert_capacity to at least "
-            f"{max(c for _, c in over)} (nothing was truncated: this dispatch's outputs are not returned)")
     # the position of each slot among its expert's: its rank in a stable sort by expert
     sorted_key, order = torch.sort(key, stable=True)
     starts = torch.cumsum(counts, 0) - counts
     pos = torch.empty_like(key).scatter_(0, order, torch.arange(key.numel(), device=device) - starts[sorted_key])
-    dest = torch.where(key < E, key * capacity + pos, torch.full_like(key, E * capacity))
+    dest = torch.where((key < E) & (pos < capacity), key * capacity + pos, torch.full_like(key, E * capacity))
     return ExpertMap(counts=counts[:E].to(torch.int32), dest=dest, capacity=capacity, topk=k)
 
 
@@ -121,7 +113,7 @@ def expert_rows_sum(m: ExpertMap, expert_out: torch.Tensor, total: int) -> torch
 
 
 def reference_replay(group, routing: TorchMoeRouting, x: torch.Tensor, weights: Optional[torch.Tensor],
-                     scales: Optional[torch.Tensor]):
+                     scales: Optional[torch.Tensor], exchange: Optional[Exchange] = None):
     """Move a new payload of the same tokens along ``routing`` (no routing, no counts exchange).
 
     Collective, like the dispatch. Returns ``(out [cap, H], out_weights [cap, k] | None,
@@ -135,7 +127,8 @@ def reference_replay(group, routing: TorchMoeRouting, x: torch.Tensor, weights: 
     send = _pack_rows(fields, routing.send_tok)
     total = routing.total_recv
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=x.device)
-    dist.all_to_all_single(recv, send, routing.recv_counts, routing.send_counts, group=group)
+    ex = exchange if exchange is not None else Exchange.plain(group)
+    ex.all_to_all(recv, send, routing.recv_counts, routing.send_counts)
     outs, off = [], 0
     for f, t in zip(fields, [x] + [v for v in (weights, scales) if v is not None]):
         dtype = torch.float32 if t is weights else t.dtype

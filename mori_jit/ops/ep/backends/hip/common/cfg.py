@@ -1,4 +1,4 @@
-"""What the intranode (``kernel_cfg``) and internode (``internode_cfg``) kernel configs declare
+"""What the intranode (``intranode.cfg``) and internode (``internode.cfg``) kernel configs declare
 alike: the payload arithmetic, how validity rules combine and report, and the fields every args
 struct starts with. Each config names its own derived values (``Ep*``, ``Net*``) from these."""
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mori_jit.jit.fields import CConst, CEnum
 
-__all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS",
+__all__ = ["EpDType", "EpPhase", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS",
            "FlagUnit", "Stamp", "EP_STAMP_WORDS"]
 
 
@@ -27,6 +27,19 @@ class EpDType(CEnum):
         name = str(value).replace("torch.", "")
         return {"bfloat16": cls.Bf16, "float32": cls.Fp32, "float8_e4m3fn": cls.Fp8,
                 "float8_e4m3fnuz": cls.Fp8, "float4_e2m1fn_x2": cls.Fp4x2, "uint8": cls.Fp4x2}.get(name)
+
+
+class EpPhase(CEnum):
+    """Which part of its leg a dispatch or combine kernel runs (docs/design.md §8, "Send and
+    receive kernels"): the whole leg, or one half of the split legs. Send: the rows go to their
+    destinations and the done counts are raised, then the kernel ends, waiting for no peer's rows.
+    Recv: the waits for every peer's rows and what follows them (dispatch: total_recv, the expert
+    counts, the epoch; combine: the sums and the combine-done counts). A kernel of each half runs
+    on the same stream, the receive after the send."""
+
+    Whole = 0
+    Send = 1
+    Recv = 2
 
 
 class _U64Const(CConst):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mori_jit.ops.ep import knobs
 
-__all__ = ["HipRouting", "ReceiveViews", "receive_views", "_weights_ptr", "CombineOutputs", "ErrorWords", "base_args", "make_combine",
+__all__ = ["HipRouting", "ReceiveViews", "receive_views", "_weights_ptr", "CombineOutputs", "ErrorWords", "base_args", "make_combine", "make_combine_send",
            "InputBuffer", "collective_reset"]
 
 
@@ -124,21 +124,41 @@ def make_combine(cargs, launches: Sequence[Callable[[], None]], new_outputs: Com
     launch bucket v; outputs the caller does not pass are fresh (``new_outputs``)."""
 
     def combine(v, inp, weights, routing, y, y_w):
-        n = routing.num_tokens
-        if y is None:
-            y = new_outputs.y(n)
-        if y_w is None and weights is not None:
-            y_w = new_outputs.w(n)
-        cargs.inpTok = inp.data_ptr()
-        cargs.inpWeights = _weights_ptr(weights, given)
-        cargs.outTok = y.data_ptr()
-        cargs.outWeights = _weights_ptr(y_w, given)
-        cargs.numTokens = n
-        cargs.inpRows = inp.shape[0]
+        y, y_w = _fill_combine(cargs, new_outputs, given, inp, weights, routing, y, y_w)
         launches[v]()
         return y, y_w
 
     return combine
+
+
+def make_combine_send(cargs, sends: Sequence[Callable[[], None]], receives: Sequence[Callable[[], None]],
+                      new_outputs: CombineOutputs, given: int):
+    """The KernelSet's ``combine_send``: :func:`make_combine`'s, launching bucket v's send kernel;
+    returns ``((y, y_w), receive)``, the receive kernel of bucket v on the same ``cargs`` (which the
+    op leaves alone until the receive: no other call runs while a leg is in flight)."""
+
+    def combine_send(v, inp, weights, routing, y, y_w):
+        y, y_w = _fill_combine(cargs, new_outputs, given, inp, weights, routing, y, y_w)
+        sends[v]()
+        return (y, y_w), receives[v]
+
+    return combine_send
+
+
+def _fill_combine(cargs, new_outputs: CombineOutputs, given: int, inp, weights, routing, y, y_w):
+    """``cargs`` for a combine of ``inp`` into ``y``/``y_w`` (fresh where None); returns them."""
+    n = routing.num_tokens
+    if y is None:
+        y = new_outputs.y(n)
+    if y_w is None and weights is not None:
+        y_w = new_outputs.w(n)
+    cargs.inpTok = inp.data_ptr()
+    cargs.inpWeights = _weights_ptr(weights, given)
+    cargs.outTok = y.data_ptr()
+    cargs.outWeights = _weights_ptr(y_w, given)
+    cargs.numTokens = n
+    cargs.inpRows = inp.shape[0]
+    return y, y_w
 
 
 class InputBuffer:

@@ -10,7 +10,7 @@ Each family has one kernel per leg (:data:`LEGS`; its own spec, entry name and k
 with one host call: ``v2_ll`` sends then receives, ``v2`` sends, forwards inside the node, then
 receives, as phases of that one kernel. A phase waits for the earlier phases of its own rank's
 blocks through the same signals it waits on for its peers, so a leg's grid must be resident as a
-whole: it never exceeds the rank's share of the SMs (``grid_share``), as for the intranode kernels.
+whole: it never exceeds the rank's share of the SMs (``common.grid``), as for the intranode kernels.
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
 
     cap, hidden, k = NetMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
     out, out_w, out_idx, recv_src, total_recv = receive_views(arena, cfg, cap)  # (ids: int32, no MoE options)
-    given = arena.tensor.data_ptr()  # (see hip_host._weights_ptr)
+    given = arena.tensor.data_ptr()  # (see common.host._weights_ptr)
 
     def dispatch(v, x, weights, scales, indices):
         dargs.inpTok = x.data_ptr()

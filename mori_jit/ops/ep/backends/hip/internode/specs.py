@@ -19,7 +19,7 @@ from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_TYPES
 
 __all__ = ["EpNetSpec", "NET_SPECS", "FAMILY_BODIES", "TRANSPORTS", "net_spec"]
 
-#: Each built family: its body header and the body function of each leg (internode_cfg.LEGS).
+#: Each built family: its body header and the body function of each leg (internode.cfg.LEGS).
 FAMILY_BODIES = {
     "v2_ll": ("ep/ep_net_ll.hpp", {"dispatch": "NetLlDispatch", "combine": "NetLlCombine"}),
     "v2": ("ep/ep_net_v2.hpp", {"dispatch": "NetV2Dispatch", "combine": "NetV2Combine"}),

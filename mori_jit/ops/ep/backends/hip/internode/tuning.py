@@ -24,7 +24,8 @@ NetRow = tuple[Optional[int], int, int, int, int, int, int]
 #: (device_key | None, world_size, hidden, topk) -> {dispatch dtype name: rows}
 NET_TABLE: dict[tuple[Optional[str], int, int, int], dict[str, tuple[NetRow, ...]]] = {}
 
-#: The geometry of every shape the table does not name.
+#: The geometry of every shape the table does not name (not measured; docs/performance.md,
+#: decisions: "Internode default rows").
 DEFAULT_ROWS: tuple[NetRow, ...] = ((128, 16, 0, 8, 16, 0, 8), (None, 32, 0, 8, 32, 0, 8))
 
 

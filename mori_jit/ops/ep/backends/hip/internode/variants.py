@@ -14,21 +14,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from mori_jit.jit.fields import ConfigError
 from mori_jit.jit.toolchain import vendor_of
 
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_MAX_RANKS, EpNetCfg, make_net_cfg
 from mori_jit.ops.ep.backends.hip.internode.tuning import net_rows
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
-from mori_jit.ops.ep.backends.hip.common.consts import EpDType
-from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus, check_pin, grid_budget
+from mori_jit.ops.ep.backends.hip.common.request import GridShare, ep_dtype, kernel_fields
 from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.errors import EpConfigError
 
 __all__ = ["NetVariants", "net_variants", "internode_gaps", "bucket_families", "BUILT_FAMILIES"]
 
-#: The internode families whose kernels exist (see internode_spec.FAMILY_BODIES).
+#: The internode families whose kernels exist (see internode.specs.FAMILY_BODIES).
 BUILT_FAMILIES = ("v2_ll", "v2")
 
 
@@ -103,17 +101,12 @@ def internode_gaps(cfg: EpDispatchCombineConfig, arch: Optional[str] = None) -> 
     return missing
 
 
-def _rows(cfg: EpDispatchCombineConfig, arch: str, budget: int, check_pin) -> tuple:
+def _rows(cfg: EpDispatchCombineConfig, arch: str, share: GridShare) -> tuple:
+    share.check_pins(cfg)
     if cfg.schedule is not None:
-        for b in cfg.schedule:
-            check_pin(f"schedule bucket {tuple(b)!r} dispatch blocks", b[1])
-            check_pin(f"schedule bucket {tuple(b)!r} combine blocks", b[3])
         return tuple((b[0], b[1], 0, b[2], b[3], 0, b[4]) for b in cfg.schedule)
-    for field in ("dispatch_block_num", "combine_block_num"):
-        if getattr(cfg, field) is not None:
-            check_pin(field, getattr(cfg, field))
     rows = net_rows(arch, cfg.world_size, cfg.hidden_dim, cfg.num_experts_per_token,
-                    EpDType.coerce(cfg.dispatch_dtype).name.lower(), budget)
+                    ep_dtype(cfg.dispatch_dtype).name.lower(), share.budget)
     pin = lambda v, p: p if p is not None else v  # noqa: E731
     return tuple((e, pin(db, cfg.dispatch_block_num), dr, pin(dw, cfg.warp_num_per_block), pin(cb, cfg.combine_block_num),
                   cr, pin(cw, cfg.combine_warp_num_per_block)) for e, db, dr, dw, cb, cr, cw in rows)
@@ -122,29 +115,21 @@ def _rows(cfg: EpDispatchCombineConfig, arch: str, budget: int, check_pin) -> tu
 def net_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per_device: int = 1) -> NetVariants:
     """Every EpNetCfg the internode op for ``cfg`` on ``arch`` launches, by bucket, on a device of
     ``num_cus`` SMs that ``ranks_per_device`` ranks share. A geometry pin beyond the rank's share,
-    or a family that is not built, raises ConfigError."""
-
-    check_num_cus(num_cus)
-    if ranks_per_device < 1:
-        raise EpConfigError(f"ranks_per_device={ranks_per_device}: expected >= 1")
+    or a family that is not built, raises EpConfigError."""
+    share = GridShare(num_cus, ranks_per_device)
     gaps = internode_gaps(cfg, arch)
     if gaps:
         raise EpConfigError("; ".join(gaps))
-    budget = grid_budget(num_cus, ranks_per_device)
-    rows = _rows(cfg, arch, budget, lambda what, b: check_pin(what, b, budget, num_cus, ranks_per_device))
+    rows = _rows(cfg, arch, share)
     edges = _edges(cfg, [r[0] for r in rows])
     families = bucket_families(cfg, edges)
-    common = {"worldSize": cfg.world_size, "gpuPerNode": cfg.gpu_per_node, "hiddenDim": cfg.hidden_dim,
-              "maxTokPerRank": cfg.max_num_inp_token_per_rank, "numExpertPerRank": cfg.num_experts_per_rank,
-              "numExpertPerToken": cfg.num_experts_per_token, "maxRecv": cfg.max_total_recv_tokens}
-    disp_dtype, comb_dtype = EpDType.coerce(cfg.dispatch_dtype), EpDType.coerce(cfg.combine_dtype)
     disp, comb, sched_d, sched_c = [], [], [], []
     for edge, fam in zip(edges, families):
         top = edge if edge is not None else cfg.max_num_inp_token_per_rank
         row = next(r for r in rows if r[0] is None or r[0] >= top)
         _, db, _, dw, cb, _, cw = row
-        disp.append(make_net_cfg(DISPATCH, arch, {**common, "dtype": disp_dtype, "blockNum": db, "warpPerBlock": dw}))
-        comb.append(make_net_cfg(COMBINE, arch, {**common, "dtype": comb_dtype, "blockNum": cb, "warpPerBlock": cw}))
+        disp.append(make_net_cfg(DISPATCH, arch, {**kernel_fields(cfg, DISPATCH), "blockNum": db, "warpPerBlock": dw}))
+        comb.append(make_net_cfg(COMBINE, arch, {**kernel_fields(cfg, COMBINE), "blockNum": cb, "warpPerBlock": cw}))
         sched_d.append((db, dw))
         sched_c.append((cb, cw))
     # (a call may take another bucket's geometry only within its family: the families' protocols differ)

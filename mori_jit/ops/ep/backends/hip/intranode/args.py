@@ -1,6 +1,6 @@
 """The intranode EP kernels' arena regions and args struct: one table of named regions (their
 offsets are runtime args ``off_<name>``, never Cfg fields) and the struct every launch fills,
-generated into ``kernels/ep/ep_generated.hpp`` with the config (``kernel_cfg``)."""
+generated into ``kernels/ep/ep_generated.hpp`` with the config (``intranode.cfg``)."""
 from __future__ import annotations
 
 from mori_jit.jit.args import ArgsSchema, i32, ptr, u64

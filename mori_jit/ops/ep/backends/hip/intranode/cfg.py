@@ -1,8 +1,8 @@
 """EP kernel config (``EpCfg``): its fields, derived arithmetic, validity rules, region sizes, and
-the generated header ``kernels/ep/ep_generated.hpp`` (with the constants of ``kernel_consts`` and
-the regions and args struct of ``kernel_args``, re-exported here). This module is the one
+the generated header ``kernels/ep/ep_generated.hpp`` (with the constants of ``common.consts`` and
+the regions and args struct of ``intranode.args``, re-exported here). This module is the one
 declaration of each, and :func:`make_ep_cfg` is the one place that turns a request into an EpCfg
-(arch defaults, then the request, then ``MORI_V2_EP_*`` overrides).
+(arch defaults, then the request, then ``MORI_EP_CFG_*`` overrides).
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from mori_jit.ops.ep import knobs
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, rule_problems
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.backends.hip.intranode.args import EP_ARGS, EP_MAX_PEERS, EP_REGIONS
-from mori_jit.ops.ep.backends.hip.common.consts import EP_STAMP_WORDS, EP_SYNC_WORDS, SYNC_PAIRS, CombWord, EpDType, ErrCode, FlagUnit, Stamp, SyncWord, WaitId, XdbRow
+from mori_jit.ops.ep.backends.hip.common.consts import EP_STAMP_WORDS, EP_SYNC_WORDS, SYNC_PAIRS, CombWord, EpDType, EpPhase, ErrCode, FlagUnit, Stamp, SyncWord, WaitId, XdbRow
 from mori_jit.ops.ep.backends.hip.intranode.tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
-__all__ = ["EpDType", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS", "FlagUnit",
+__all__ = ["EpDType", "EpPhase", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS", "FlagUnit",
            "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS", "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "EP_MAX_COUNTED_EXPERTS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
            "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE", "LAYOUT",
@@ -82,6 +82,9 @@ class EpCfg:
     # dispatch: > 0 lays the received (token, local expert) pairs out expert-major, expertCapacity
     # entries per expert (needs expertCounts), by the layout kernel launched after each dispatch
     expertCapacity: int = 0
+    # dispatch and combine: the whole leg, or its send or its receive half (the split legs,
+    # EpPhase); a dispatch's receive runs on one block
+    phase: EpPhase = EpPhase.Whole
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -157,7 +160,7 @@ def ep_cfg_problems(cfg: EpCfg) -> list[str]:
 
 
 register_header(GeneratedHeader(
-    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType], consts=[CombWord, WaitId, ErrCode, XdbRow, SyncWord, FlagUnit, Stamp], cfgs=[EpCfg],
+    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType, EpPhase], consts=[CombWord, WaitId, ErrCode, XdbRow, SyncWord, FlagUnit, Stamp], cfgs=[EpCfg],
     derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpRangeTok, EpBulkStages,
              EpBulkSmemBytes, EpSummable, EpIsValid],
     args=[EP_ARGS]))
@@ -197,7 +200,7 @@ def _leg_defaults(kind: str, arch: str) -> dict[str, Any]:
 
 
 def _env_overrides(kind: str) -> dict[str, str]:
-    """``MORI_V2_EP_<FIELD>`` (both legs) and ``MORI_V2_EP_<DISPATCH|COMBINE>_<FIELD>`` (one leg)."""
+    """``MORI_EP_CFG_<FIELD>`` (both legs) and ``MORI_EP_CFG_<DISPATCH|COMBINE>_<FIELD>`` (one leg)."""
     by_key = {f.name.upper(): f.name for f in cfg_fields(EpCfg)}
     out: dict[str, str] = {}
     legs = (DISPATCH.upper() + "_", COMBINE.upper() + "_")
@@ -209,28 +212,33 @@ def _env_overrides(kind: str) -> dict[str, str]:
             name = raw[len(leg):] if leg else raw
             field = by_key.get(name.replace("_", ""))
             if field is None:
-                raise ConfigError(f"MORI_V2_EP_{raw}: no EpCfg field {name!r}; valid: "
-                                  f"{', '.join('MORI_V2_EP_[DISPATCH_|COMBINE_]' + k for k in by_key)}")
+                raise ConfigError(f"MORI_EP_CFG_{raw}: no EpCfg field {name!r}; valid: "
+                                  f"{', '.join('MORI_EP_CFG_[DISPATCH_|COMBINE_]' + k for k in by_key)}")
             out[field] = value
     return out
 
 
 def make_ep_cfg(kind: str, arch: str, request: Mapping[str, Any]) -> EpCfg:
-    """The EpCfg for leg ``kind`` on ``arch``: arch defaults ← ``request`` ← ``MORI_V2_EP_*`` overrides.
+    """The EpCfg for leg ``kind`` on ``arch``: arch defaults ← ``request`` ← ``MORI_EP_CFG_*`` overrides.
 
-    The only place ``MORI_V2_EP_*`` is read; the result goes into the key like any other Cfg. The
+    The only place ``MORI_EP_CFG_*`` is read; the result goes into the key like any other Cfg. The
     combine leg refuses byte dtypes (they can be moved, not summed) and bulk copies (dispatch only).
     """
     if kind not in (DISPATCH, COMBINE, LAYOUT, EXPERT_SUM):
         raise ValueError(f"kind must be one of {DISPATCH!r}, {COMBINE!r}, {LAYOUT!r}, {EXPERT_SUM!r}, got {kind!r}")
-    merged = {**_leg_defaults(kind, arch), **request,
-              **_env_overrides(COMBINE if kind in (COMBINE, EXPERT_SUM) else DISPATCH)}
+    env = _env_overrides(COMBINE if kind in (COMBINE, EXPERT_SUM) else DISPATCH)
+    if "phase" in env:  # (it would make every launch of the leg one half of it)
+        raise ConfigError("MORI_EP_CFG_*PHASE: the phase is chosen by the op's call (dispatch_send, dispatch_recv, "
+                          "...), never by an override; unset it")
+    merged = {**_leg_defaults(kind, arch), **request, **env}
     cfg = apply_request(EpCfg(worldSize=1, waveSize=wave_size_for_arch(arch)), merged)
     if kind in (COMBINE, EXPERT_SUM) and not EpSummable(cfg):
         raise ConfigError(f"combine dtype {cfg.dtype.name} cannot be summed; combine supports Bf16 and Fp32")
     if kind == COMBINE and cfg.bulkMinTokens:
         raise ConfigError(f"bulkMinTokens={cfg.bulkMinTokens} on the combine leg: bulk copies are a dispatch "
-                          f"choice (set MORI_V2_EP_DISPATCH_BULKMINTOKENS, not MORI_V2_EP_BULKMINTOKENS)")
+                          f"choice (set MORI_EP_CFG_DISPATCH_BULKMINTOKENS, not MORI_EP_CFG_BULKMINTOKENS)")
+    if kind not in (DISPATCH, COMBINE) and cfg.phase != EpPhase.Whole:
+        raise ConfigError(f"phase={cfg.phase.name} on the {kind} kernel: only dispatch and combine run in halves")
     if cfg.bulkMinTokens and not has_bulk_copy(arch):
         raise ConfigError(f"bulkMinTokens={cfg.bulkMinTokens} on {arch}: no bulk-copy unit there "
                           f"(NVIDIA sm_90 and later); use 0")

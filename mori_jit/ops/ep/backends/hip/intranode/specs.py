@@ -6,10 +6,12 @@ from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain
 
 from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_TYPES
-from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EXPERT_SUM, LAYOUT, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, make_ep_cfg
+from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EXPERT_SUM, LAYOUT, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, EpPhase, make_ep_cfg
 
 __all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "EP_LAYOUT", "EP_EXPERT_SUM"]
 
+#: The entry name's mark of each phase (the whole leg has none).
+_PHASE_SUFFIX = {EpPhase.Whole: "", EpPhase.Send: "_send", EpPhase.Recv: "_recv"}
 #: The kernel body of each kind.
 _BODIES = {DISPATCH: "EpDispatchBody", COMBINE: "EpCombineBody", LAYOUT: "EpLayoutBody",
            EXPERT_SUM: "EpExpertSumBody"}
@@ -39,20 +41,23 @@ class EpSpec(Spec):
         # (_ll: the low-latency combine; _bulk: a dispatch whose large blocks use the bulk-copy unit;
         # _i64: int64 expert ids; _s<dim>x<bytes>: per-token scales;
         # _cnt: local expert counts; _rr: routing replay; _q128: in-kernel fp8 block cast;
-        # _c<capacity>: the expert-major layout)
+        # _c<capacity>: the expert-major layout; _send/_recv: one half of the split legs)
         return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
                 f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatency else ''}"
                 f"{'_bulk' if cfg.bulkMinTokens else ''}{'_i64' if cfg.ids64 else ''}"
                 f"{f'_s{cfg.scaleDim}x{cfg.scaleTypeSize}' if cfg.scaleDim else ''}{'_cnt' if cfg.expertCounts else ''}"
                 f"{'_rr' if cfg.routingReplay else ''}{'_q128' if cfg.quantFp8Block128 else ''}"
-                f"{f'_c{cfg.expertCapacity}' if cfg.expertCapacity else ''}")
+                f"{f'_c{cfg.expertCapacity}' if cfg.expertCapacity else ''}{_PHASE_SUFFIX[cfg.phase]}")
 
     def precompile_cfgs(self, toolchain: Toolchain) -> list[EpCfg]:
         # a layout or an expert sum exists only for an op's config (mori-jit precompile --ep builds those)
         return [] if self.kind in (LAYOUT, EXPERT_SUM) else super().precompile_cfgs(toolchain)
 
     def geometry(self, cfg: EpCfg) -> Geometry:
-        # (only the dispatch has bulk-copy stages; a layout runs on the dispatch's EpCfg without them)
+        # (only the dispatch's sends have bulk-copy stages; a layout runs on the dispatch's EpCfg
+        # without them; a dispatch's receive is one block's waits and counts)
+        if self.kind == DISPATCH and cfg.phase == EpPhase.Recv:
+            return Geometry((1, 1, 1), (EpBlockThreads(cfg), 1, 1), 0)
         smem = EpBulkSmemBytes(cfg) if self.kind == DISPATCH else 0
         return Geometry((cfg.blockNum, 1, 1), (EpBlockThreads(cfg), 1, 1), smem)
 

@@ -17,7 +17,7 @@ block of 32 threads), synchronizing between batches so the launch queue never fi
 events around each batch give the GPU time per launch, reported next to it so one can see the
 GPU is not the bottleneck (GPU µs/launch < host µs/launch means the host timing is host cost).
 
-Usage: ``PYTHONPATH=. python3 tools/bench_jit.py --out bench_jit.json``
+Usage: ``PYTHONPATH=. python3 scripts/bench_jit.py --out bench_jit.json``
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Peer-link rates at a given transfer size: SM-driven pushes/pulls and the copy engine.
 
-``tools/bench_ep.py`` measures its ceilings on large transfers (a 1 GiB one-direction copy, 256
+``scripts/bench_ep.py`` measures its ceilings on large transfers (a 1 GiB one-direction copy, 256
 MiB SM traffic). The EP op moves less per call (58.5 MB each way at EP2, 4096 tokens, bf16), where
 ramp-up and tail weigh more. This probe measures, for each ``--mib`` size:
 
@@ -10,7 +10,7 @@ ramp-up and tail weigh more. This probe measures, for each ``--mib`` size:
 * ``ce_both_gbps``: every rank's copy engine writing the peer's buffer at once (``copy_`` to a
   peer symmetric view), event-timed, median of 7 after one warm-up.
 
-    PYTHONPATH=. python3 tools/probes/probe_link_rates.py [--mib 58.5 256]
+    PYTHONPATH=. python3 scripts/probes/probe_link_rates.py [--mib 58.5 256]
 
 Needs two or more GPUs; prints one JSON line per rank.
 """
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from mori_jit.testing.distributed import run_distributed
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: bench_ep's timers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: bench_ep's timers
 
 
 def _ce_both_gbps(rank: int, ws: int, nbytes: int, reps: int = 8) -> float:

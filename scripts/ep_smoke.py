@@ -1,6 +1,6 @@
 """Quick EP smoke test on all visible GPUs with step-by-step progress (debugging aid).
 
-    PYTHONPATH=. python3 tools/ep_smoke.py [--hidden 2048] [--k 8] [--m 64] [--rounds 3]
+    PYTHONPATH=. python3 scripts/ep_smoke.py [--hidden 2048] [--k 8] [--m 64] [--rounds 3]
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ backend's launch (``op.kernels``: args struct + driver call), the driver's ``cuL
 (cuda-bindings and ctypes), and the whole ``op.dispatch``/``op.combine`` calls. Two rounds, as a
 host's speed can drift between two levels (``docs/performance.md``, "Machine").
 
-    CUDA_VISIBLE_DEVICES=0 python3 tools/profile_ep_host.py [--tokens 128] [--reps 3000]
+    CUDA_VISIBLE_DEVICES=0 python3 scripts/profile_ep_host.py [--tokens 128] [--reps 3000]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Internode dispatch + combine rounds (NVSHMEM) with step-by-step progress; prints PASS, FAIL or SKIP.
 
-    PYTHONPATH=. python3 tools/ep_internode_smoke.py [--family v2_ll|v2|auto] [--ws 2] [--gpu-per-node 1]
+    PYTHONPATH=. python3 scripts/ep_internode_smoke.py [--family v2_ll|v2|auto] [--ws 2] [--gpu-per-node 1]
         [--hidden 2048] [--k 4] [--m 32] [--rounds 3] [--host-reps 0]
 
 Ranks go round-robin over the visible GPUs (``mori_jit/testing/gpu_world.py``); ranks that share a

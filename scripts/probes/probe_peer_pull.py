@@ -12,7 +12,7 @@ Each reads ``--rows`` rows of ``--hidden`` bf16 (58.7 MB at the defaults) from t
 that over the median event-timed time of ``--reps`` back-to-back repetitions (queued behind a GPU
 sleep, as the bench times), both ranks running together.
 
-    python3 tools/probes/probe_peer_pull.py            # needs 2 GPUs
+    python3 scripts/probes/probe_peer_pull.py            # needs 2 GPUs
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mori_jit.testing.distributed import run_distributed
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/: bench_ep's timers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: bench_ep's timers
 from bench_ep import back_to_back_median_us, sm_link_rates  # noqa: E402
 
 

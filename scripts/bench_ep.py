@@ -1,8 +1,8 @@
 """EP dispatch/combine benchmark: the ``hip`` backend (eager and graph) beside the ``torch`` backend
 (NCCL) and the measured link ceiling, in one run. One process per GPU (spawned here; NCCL).
 
-    PYTHONPATH=. python3 tools/bench_ep.py --out results/   # JSON + Markdown + PNG
-    PYTHONPATH=. python3 tools/bench_ep.py --sweep --tokens 128 4096   # blocks x warps sweep
+    PYTHONPATH=. python3 scripts/bench_ep.py --out results/   # JSON + Markdown + PNG
+    PYTHONPATH=. python3 scripts/bench_ep.py --sweep --tokens 128 4096   # blocks x warps sweep
 
 Workload (defaults): hidden 7168, topk 8, 256 experts in total, tokens per rank 128/512/1024/4096,
 routing = a random permutation of experts per token, first k; bf16/bf16 and fp8/bf16 legs.
@@ -11,7 +11,7 @@ sleep so the host queues the loop ahead of the GPU, CUDA
 events, 4 rotating input sets, median of ``--iters`` (rank 0's, with every rank's kept beside it as
 ``per_rank_us``); dispatch and combine timed separately;
 combine both from a fresh expert-output tensor ("hip_graph") and with the expert writing into the
-op's combine input buffer ("_zerocopy"); with the push combine the two are read alike.
+op's combine input buffer ("_buffer"); with the push combine the two are read alike.
 """
 from __future__ import annotations
 
@@ -179,8 +179,9 @@ def _bare_a2a(rank, ws, idx, n, hidden, epr, disp_t, comb_t, dev, iters):
     return _timed(*_time_pairs(fwd, back, iters, lambda i: None))
 
 
-#: Phase stamps written by the kernels (``Stamp``, declared in mori_jit/ops/ep/kernel_cfg.py), as µs
-#: since the kernel's start: (label, stamp, start stamp).
+#: Phase stamps written by the kernels (``Stamp``, declared in
+#: mori_jit/ops/ep/backends/hip/common/consts.py), as µs since the kernel's start: (label, stamp,
+#: start stamp).
 PHASES = [("disp: block 0 claimed its slots", Stamp.kStDispClaimed, Stamp.kStDispStart),
           ("disp: block 0 copies done", Stamp.kStDispLoopDone, Stamp.kStDispStart),
           ("disp: last block's done count sent", Stamp.kStDispCounted, Stamp.kStDispStart),
@@ -280,10 +281,10 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 stage = op.get_combine_input_buffer()
                 stage.copy_(staging_src)
 
-                def comb_zero(i):
+                def comb_buffer(i):
                     o = st["r"]
                     op.combine(stage, weights=o[1], routing=o[5])
-                mode_fns["eager_zerocopy"] = (disp, comb_zero)
+                mode_fns["eager_buffer"] = (disp, comb_buffer)
             for _ in range(args.warmup):
                 disp(0), comb_copy(0)
             for mode, (fa, fb) in mode_fns.items():
@@ -302,12 +303,12 @@ def _bench_point(rank, ws, leg, n, args, ceiling, schedule=None):
                 with torch.cuda.graph(gc):
                     comb_copy(0)
                 with torch.cuda.graph(gz):
-                    mode_fns["eager_zerocopy"][1](0)
+                    mode_fns["eager_buffer"][1](0)
                 dist.barrier()
                 res["hip_graph"] = _timed(*_time_pairs(lambda i: gd.replay(), lambda i: gc.replay(), args.iters, rotate))
                 dist.barrier()
-                res["hip_graph_zerocopy"] = _timed(*_time_pairs(lambda i: gd.replay(), lambda i: gz.replay(), args.iters,
-                                                                rotate))
+                res["hip_graph_buffer"] = _timed(*_time_pairs(lambda i: gd.replay(), lambda i: gz.replay(), args.iters,
+                                                              rotate))
                 res["phases_us"] = _phase_profile(op, gd, gz)
                 res["phases_queued_us"] = _phase_profile(op, gd, gz, queued=True)
                 # the method's floor: a one-kernel graph (1-element add) timed the same way
@@ -378,7 +379,7 @@ def _job(rank, ws, args, ceiling_reps, out_path):
                         results.append(r)
                         if rank == 0:
                             print(f"sweep {leg} n={n} {blocks}x{warps}: disp {r['hip_graph']['dispatch_us']:.1f} "
-                                  f"comb {r['hip_graph']['combine_us']:.1f} zc {r['hip_graph_zerocopy']['combine_us']:.1f} us",
+                                  f"comb {r['hip_graph']['combine_us']:.1f} buf {r['hip_graph_buffer']['combine_us']:.1f} us",
                                   flush=True)
     else:
         for leg in args.legs:
@@ -410,7 +411,7 @@ def report(path: str) -> str:
             continue
         t, a = r.get("torch_eager"), r.get("nccl_a2a")
         geo = f" {r['geometry']['blocks']}x{r['geometry']['dispatch_warps']}" if "geometry" in r else ""
-        for mode in ("hip_eager", "hip_eager_zerocopy", "hip_graph", "hip_graph_zerocopy", "torch_eager", "nccl_a2a"):
+        for mode in ("hip_eager", "hip_eager_buffer", "hip_graph", "hip_graph_buffer", "torch_eager", "nccl_a2a"):
             if mode not in r:
                 continue
             d, c = r[mode]["dispatch_us"], r[mode]["combine_us"]
@@ -425,7 +426,7 @@ def report(path: str) -> str:
         g = r["hip_graph"]
         lines.append(f"| {r['leg']} | {r['tokens']}{geo} | hip_graph dispatch + combine | "
                      f"{g['dispatch_us'] + g['combine_us']:.1f} | | | | | | | | |")
-        for mode in ("hip_graph", "hip_graph_zerocopy"):
+        for mode in ("hip_graph", "hip_graph_buffer"):
             if "per_rank_us" in r.get(mode, {}):
                 lines.append(f"| {r['leg']} | {r['tokens']}{geo} | {mode}, every rank's medians (dispatch / combine) | "
                              + "; ".join(f"rank {i} {d:.1f} / {c:.1f}" for i, (d, c) in enumerate(r[mode]["per_rank_us"]))
@@ -451,7 +452,7 @@ def report(path: str) -> str:
         for li, leg in enumerate(sorted({r["leg"] for r in data["results"]})):
             rs = [r for r in data["results"] if r["leg"] == leg and "geometry" not in r]
             xs = [r["tokens"] for r in rs]
-            for mode in ("hip_eager", "hip_graph", "hip_graph_zerocopy", "torch_eager", "nccl_a2a"):
+            for mode in ("hip_eager", "hip_graph", "hip_graph_buffer", "torch_eager", "nccl_a2a"):
                 if all(mode in r for r in rs) and rs:
                     for col, key, bkey in ((0, "dispatch_us", "dispatch_remote"), (1, "combine_us", "combine_remote")):
                         ax[0][col].plot(xs, [r[mode][key] for r in rs], marker="o", label=f"{leg} {mode}")
@@ -461,7 +462,7 @@ def report(path: str) -> str:
             ax[0][col].set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="µs", title=f"{name} latency")
             ax[1][col].set(xscale="log", xlabel="tokens per rank", ylabel="% of link ceiling",
                            title=f"{name} link utilisation")
-            ax[1][col].axhline(85, ls="--", lw=0.8, color="gray", label="85 % (the 4096-token target)")
+            ax[1][col].axhline(85, ls="--", lw=0.8, color="gray", label="85 % of the ceiling")
         ticks = sorted({r["tokens"] for r in data["results"]})
         for a in ax.flat:  # the measured sizes as plain labels (a log axis's minor labels collide)
             a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())

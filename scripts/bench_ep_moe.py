@@ -15,7 +15,7 @@ Every variant's received rows are first checked against the golden quantization 
 ``per_token_cast_to_fp8`` written out) on fresh data. Host time: median and 10th percentile of
 ``--reps`` eager ``op.dispatch`` calls per option (the GPU is synced every 64 calls).
 
-    python3 tools/bench_ep_moe.py [--tokens 128 512 1024 4096] [--iters 50] [--reps 2000]
+    python3 scripts/bench_ep_moe.py [--tokens 128 512 1024 4096] [--iters 50] [--reps 2000]
 """
 from __future__ import annotations
 
