@@ -7,7 +7,7 @@ between two events; median of ``--iters``), hidden 7168, top-k 8, 256 experts, b
 * ``bf16``            bf16 dispatch (the baseline);
 * ``fp8+scales``      an fp8 dispatch of rows the caller already cast, with their fp32 block scales;
 * ``cast, fp8``       the same, after a separate cast (``quant.quantize``: torch ops) in the graph;
-* ``in-kernel cast``  ``quant_type="fp8_e4m3_block128"``: bf16 in, the dispatch casts on the way;
+* ``in-kernel cast``  ``dispatch_quant_type="fp8_e4m3_block128"``: bf16 in, the dispatch casts on the way;
 * ``…, 64 blocks``    the same with the dispatch pinned to 64 blocks (the table's choice to 128
   tokens; ``tuning.py`` ships 132 beyond).
 
@@ -35,7 +35,7 @@ SPEC = quant_spec("fp8_e4m3_block128")
 QUEUE_AHEAD_CYCLES = 20_000_000
 #: device-time variants: (name, config fields, the caller casts first)
 _FP8_SCALES = dict(dispatch_data_type=FP8, combine_data_type=torch.bfloat16, scale_dim=HIDDEN // 128, scale_type_size=4)
-_CAST = dict(_FP8_SCALES, quant_type="fp8_e4m3_block128")
+_CAST = dict(_FP8_SCALES, dispatch_quant_type="fp8_e4m3_block128")
 VARIANTS = (
     ("bf16", dict(), False),
     ("fp8+scales", _FP8_SCALES, False),
@@ -107,7 +107,7 @@ def _device_times(tokens, iters, dev, gen):
         with EpDispatchCombineOp(_cfg(max(tokens), fields)) as op:
             for n in tokens:
                 x, w, idx = _inputs(n, dev, gen)
-                fp8_in = bool(fields.get("scale_dim")) and not fields.get("quant_type")
+                fp8_in = bool(fields.get("scale_dim")) and not fields.get("dispatch_quant_type")
                 pre = quantize(x, SPEC, 4) if fp8_in and not cast_first else None
 
                 def call(x=x, w=w, idx=idx, fp8_in=fp8_in, pre=pre):
@@ -133,7 +133,7 @@ def _host_times(n, reps, dev, gen):
         with EpDispatchCombineOp(_cfg(n, fields)) as op:
             x, w, idx = _inputs(n, dev, gen, fields.get("index_dtype", torch.int32))
             s = None
-            if fields.get("scale_dim") and not fields.get("quant_type"):
+            if fields.get("scale_dim") and not fields.get("dispatch_quant_type"):
                 x, s = quantize(x, SPEC, 4)
             first = op.dispatch(x, w, s, idx, return_result=True)
             if replay:

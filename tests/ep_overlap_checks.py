@@ -157,7 +157,7 @@ def split_call(op, rank, ws, gen, call, n, drop, to, with_w):
     y2, y2_w = combine_split(op, not hook, inp, b.out_weights, b.routing)  # fresh outputs
     assert torch.equal(y2.view(torch.uint8), ya.view(torch.uint8)) and (y2_w is None or torch.equal(y2_w, ya_w))
     if cfg.expert_capacity and not cfg.routing_replay:
-        _check_expert_major_combine(op, b, _values(*_received(cfg, x, s), bool(cfg.quant_type)), w, idx, rank, ws)
+        _check_expert_major_combine(op, b, _values(*_received(cfg, x, s), bool(cfg.dispatch_quant_type)), w, idx, rank, ws)
     if not cfg.routing_replay:
         return
     # a replay through the split legs: the new payload lands where the split dispatch put the first
@@ -169,7 +169,7 @@ def split_call(op, rank, ws, gen, call, n, drop, to, with_w):
     y3, y3_w = combine_split(op, hook, identity_expert(r.out, cfg.combine_dtype), r.out_weights, r.routing)
     _golden(op, rank, ws, x2, w2, idx, s2, r, y3, y3_w, recv_src=src)
     if cfg.expert_capacity:
-        _check_expert_major_combine(op, r, _values(*_received(cfg, x2, s2), bool(cfg.quant_type)), w2, idx, rank, ws)
+        _check_expert_major_combine(op, r, _values(*_received(cfg, x2, s2), bool(cfg.dispatch_quant_type)), w2, idx, rank, ws)
 
 
 def split_job(rank, ws, backend, names=None):

@@ -1,6 +1,6 @@
 """Config values the op refused late, or not at all: every product of fields that a kernel computes
 in a C++ int is range-checked at construction (naming the fields and the value), and a
-``quant_type`` or ``schedule`` of the wrong shape is an ``EpConfigError`` naming the field, the
+``dispatch_quant_type``, ``quant_type`` or ``schedule`` of the wrong shape is an ``EpConfigError`` naming the field, the
 value and what is allowed, never a TypeError or an IndexError later."""
 from __future__ import annotations
 
@@ -63,9 +63,17 @@ def test_precompile_refuses_the_wrapped_expert_count(fake_cc, capsys):
 
 
 @pytest.mark.parametrize("value", [["fp8_e4m3_block128"], [], {"fp8_e4m3_block128": 1}, 128, b"none"])
+def test_dispatch_quant_type_of_the_wrong_type_names_the_field(value):
+    with pytest.raises(EpConfigError, match=r"dispatch_quant_type=.*: expected None or a name: allowed None, "
+                                            r"'none', 'fp8_e4m3_block128'"):
+        EpDispatchCombineConfig(**BASE, dispatch_quant_type=value)
+
+
+@pytest.mark.parametrize("value", [["none"], [], {"none": 1}, 128, b"none"])
 def test_quant_type_of_the_wrong_type_names_the_field(value):
-    with pytest.raises(EpConfigError, match=r"quant_type=.*: expected None or a name: allowed None, 'none', "
-                                            r"'fp8_e4m3_block128'"):
+    # mori's combine-wire field: a name among mori's values
+    with pytest.raises(EpConfigError, match=r"EpDispatchCombineConfig\.quant_type=.*: expected a name: the combine "
+                                            r"wire's quantization, mori's values: 'none', 'fp8_direct_cast'"):
         EpDispatchCombineConfig(**BASE, quant_type=value)
 
 

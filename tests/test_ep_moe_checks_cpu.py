@@ -17,8 +17,8 @@ from mori_jit.testing.distributed import run_distributed
 FP8 = torch.float8_e4m3fn
 BASE = dict(rank=0, world_size=2, hidden_dim=256, max_num_inp_token_per_rank=8, num_experts_per_rank=4,
             num_experts_per_token=2)
-QUANT = dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16, scale_dim=2,
-             scale_type_size=4)
+QUANT = dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
+             scale_dim=2, scale_type_size=4)
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -29,7 +29,11 @@ QUANT = dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_dat
     (dict(expert_capacity=8), "expert_capacity=8 .* set expert_counts=True"),
     (dict(scale_dim=2), "scale_dim=2 and scale_type_size=0: set together"),
     (dict(scale_dim=2, scale_type_size=3), r"scale_type_size=3: allowed \(1, 2, 4, 8\)"),
-    (dict(quant_type="fp8_blockwise"), "quant_type='fp8_blockwise': allowed None, 'none', 'fp8_e4m3_block128'"),
+    (dict(dispatch_quant_type="fp8_blockwise"),
+     "dispatch_quant_type='fp8_blockwise': allowed None, 'none', 'fp8_e4m3_block128'"),
+    (dict(quant_type="fp8_e4m3_block128"), "quant_type='fp8_e4m3_block128': the combine wire's quantization, mori's "
+                                           "values: 'none', 'fp8_direct_cast'.* set dispatch_quant_type="),
+    (dict(quant_type=None), "quant_type=None: the combine wire's quantization"),
     (dict(QUANT, dispatch_data_type=torch.bfloat16), "sends torch.float8_e4m3fn: set dispatch_data_type"),
     (dict(QUANT, scale_dim=4), r"set scale_dim=2 \(hidden_dim / 128\), got 4"),
     (dict(QUANT, scale_type_size=2), r"scale_type_size=2, allowed 4 \(float32 scales\) or 1 \(UE8M0\)"),

@@ -17,7 +17,7 @@ from mori_jit.testing.distributed import run_distributed
 
 FP8, E8M0 = torch.float8_e4m3fn, getattr(torch, "float8_e8m0fnu", torch.uint8)
 M, H, EPR, K = 24, 256, 3, 4
-QUANT = dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
+QUANT = dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
              scale_dim=H // 128)
 
 #: (name, config fields); every config has expert counts
@@ -47,7 +47,7 @@ def _calls(rank, ws):
 
 
 def _scales(cfg, n, gen, device):
-    if not cfg.scale_dim or cfg.quant_type:
+    if not cfg.scale_dim or cfg.dispatch_quant_type:
         return None
     if cfg.scale_type_size == 1:
         s = torch.randint(100, 150, (n, cfg.scale_dim), generator=gen, dtype=torch.int32).to(torch.uint8).view(E8M0)
@@ -57,8 +57,9 @@ def _scales(cfg, n, gen, device):
 
 
 def _received(cfg, x, s):
-    """What the receiver must get for input rows ``x`` and scales ``s``: the golden quantization under quant_type."""
-    return golden_quantize(x, cfg.scale_type_size) if cfg.quant_type else (x, s)
+    """What the receiver must get for input rows ``x`` and scales ``s``: the golden quantization
+    under dispatch_quant_type."""
+    return golden_quantize(x, cfg.scale_type_size) if cfg.dispatch_quant_type else (x, s)
 
 
 def _values(q, s, quant: bool) -> torch.Tensor:
@@ -74,7 +75,7 @@ def _check_expert_major_combine(op, res, xv, w, idx, rank, ws):
     and one at the end."""
     cfg, lay, dev = op.cfg, res.expert, op.device
     E, C = cfg.num_experts_per_rank, cfg.expert_capacity
-    vals = _values(lay.x, lay.scales, bool(cfg.quant_type))
+    vals = _values(lay.x, lay.scales, bool(cfg.dispatch_quant_type))
     lw = lay.weights if lay.weights is not None else torch.ones(E, C, device=dev)
     gid = rank * E + torch.arange(E, dtype=torch.float32, device=dev)
     expert_out = (lw[..., None] * (gid[:, None, None] + 1) * vals).to(torch.bfloat16)
@@ -136,13 +137,13 @@ def _one_call(op, other, cfg, rank, ws, gen, n, drop, to, with_w):
     golden_check_experts(op.group, rank, ws, M, EPR, xq, w, idx, res.expert_counts, res.expert, scales=sq,
                          out=res.out, recv_src=res.routing.recv_src)
     assert (res.expert is None) == (cfg.expert_capacity == 0)
-    if not cfg.quant_type and cfg.dispatch_dtype != FP8:  # the arrival-order combine still holds
+    if not cfg.dispatch_quant_type and cfg.dispatch_dtype != FP8:  # the arrival-order combine still holds
         y, y_w = op.combine(res.out, weights=res.out_weights, routing=res.routing)
         golden_check(op.group, rank, ws, M, EPR, x, wg, idx, res.out, None, None, res.total_recv,
                      res.routing.recv_src, y, y_w if w is not None else None)
     if not cfg.routing_replay:
         if res.expert is not None:
-            _check_expert_major_combine(op, res, _values(xq, sq, bool(cfg.quant_type)), w, idx, rank, ws)
+            _check_expert_major_combine(op, res, _values(xq, sq, bool(cfg.dispatch_quant_type)), w, idx, rank, ws)
         with pytest.raises(EpUnsupportedError, match="routing_replay=True"):
             op.dispatch(x, w, s, None, routing=res.routing)
         return
@@ -159,7 +160,7 @@ def _one_call(op, other, cfg, rank, ws, gen, n, drop, to, with_w):
                  res2.total_recv, before[0], None, None, scales=s2q, out_scales=res2.out_scales)
     golden_check_experts(op.group, rank, ws, M, EPR, x2q, w2, idx, res2.expert_counts, res2.expert, scales=s2q,
                          out=res2.out, recv_src=before[0])
-    _check_expert_major_combine(op, res2, _values(x2q, s2q, bool(cfg.quant_type)), w2, idx, rank, ws)
+    _check_expert_major_combine(op, res2, _values(x2q, s2q, bool(cfg.dispatch_quant_type)), w2, idx, rank, ws)
     other_routing = other.dispatch(x, w, s, idx, return_routing=True)[5]
     _replay_refusals(op, other_routing, res, x2, w2, s2, rank)
     op.dispatch(x, w, s, idx)  # a new dispatch: the routing of the first one is stale now

@@ -118,7 +118,8 @@ def test_routing_replay_is_a_dispatch_cfg_field_with_a_trailing_flag_argument():
 
 
 FP8 = torch.float8_e4m3fn
-QUANT = dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16, scale_dim=2)
+QUANT = dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
+             scale_dim=2)
 
 
 @pytest.mark.parametrize("size", [4, 1])

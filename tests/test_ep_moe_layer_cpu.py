@@ -18,8 +18,8 @@ FP8 = torch.float8_e4m3fn
 M, H, F, EPR, K = 16, 256, 64, 3, 2
 MODES = {
     "bf16": (dict(), None),
-    "fp8_op_cast": (dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
-                         scale_dim=H // 128, scale_type_size=4), 4),
+    "fp8_op_cast": (dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
+                         combine_data_type=torch.bfloat16, scale_dim=H // 128, scale_type_size=4), 4),
     "fp8_own_ue8m0": (dict(dispatch_data_type=FP8, combine_data_type=torch.bfloat16, scale_dim=H // 128,
                            scale_type_size=1), 1),
 }

@@ -97,7 +97,7 @@ def test_torch_backend_golden(ws):
 def _gate_job(rank, ws):
     cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=256, max_num_inp_token_per_rank=8,
                                   num_experts_per_rank=4, num_experts_per_token=2, combine_mode="scatter",
-                                  quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
+                                  dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
                                   combine_data_type=torch.bfloat16, scale_dim=2, scale_type_size=4,
                                   index_dtype=torch.int64, expert_counts=True, expert_capacity=16,
                                   routing_replay=True, kernel_backend="hip")

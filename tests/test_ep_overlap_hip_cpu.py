@@ -108,7 +108,7 @@ REAL = {
     "low_latency": dict(max_num_inp_token_per_rank=128),
     "flags_bulk": dict(combine_low_latency=False),
     "moe": dict(MOE, max_num_inp_token_per_rank=128),
-    "fp8_cast": dict(quant_type="fp8_e4m3_block128", dispatch_data_type=torch.float8_e4m3fn,
+    "fp8_cast": dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=torch.float8_e4m3fn,
                      combine_data_type=torch.bfloat16, scale_dim=56, scale_type_size=1, expert_counts=True,
                      max_num_inp_token_per_rank=256),
     "fp8_rows": dict(dispatch_data_type=torch.float8_e4m3fn, combine_data_type=torch.bfloat16,

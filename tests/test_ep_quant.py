@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mori_jit.testing.golden_moe import golden_quantize
-from mori_jit.ops.ep.quant import QUANT_TYPES, dequantize, quantize, scale_values
+from mori_jit.ops.ep.quant import DISPATCH_QUANT_TYPES, dequantize, quantize, scale_values
 
-SPEC = QUANT_TYPES["fp8_e4m3_block128"]
+SPEC = DISPATCH_QUANT_TYPES["fp8_e4m3_block128"]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from mori_jit.jit.paths import kernels_dir
-from mori_jit.ops.ep.quant import QUANT_TYPES, quantize
+from mori_jit.ops.ep.quant import DISPATCH_QUANT_TYPES, quantize
 from test_ep_quant import hard_rows
 
-SPEC = QUANT_TYPES["fp8_e4m3_block128"]
+SPEC = DISPATCH_QUANT_TYPES["fp8_e4m3_block128"]
 
 # A host stand-in for the platform header (the harness does BlockMax's butterfly itself: a max is
 # exact in any order).

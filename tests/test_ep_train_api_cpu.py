@@ -82,7 +82,7 @@ def _errors_job(rank, ws):
             train.combine(h, d.out, d)
         with _raises(EpArgumentError, "d:", "expert_capacity"):
             train.combine_expert_major(h, d.out, d)
-    fp8 = dict(quant_type="fp8_e4m3_block128", dispatch_data_type=torch.float8_e4m3fn,
+    fp8 = dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=torch.float8_e4m3fn,
                combine_data_type=torch.bfloat16, scale_dim=1, scale_type_size=4, hidden_dim=128)
     with EpDispatchCombineOp(_cfg(rank, ws, **fp8)) as op:  # no gradient op: refused at the combine
         h = train.register(op)
@@ -94,7 +94,7 @@ def _errors_job(rank, ws):
                scale_type_size=4)
     with EpDispatchCombineOp(_cfg(rank, ws, **own)) as op:  # caller-quantized rows: no gradient reaches them
         q = torch.randn(4, H).to(torch.float8_e4m3fn).requires_grad_()
-        with _raises(EpUnsupportedError, "float8_e4m3fn", "quant_type"):
+        with _raises(EpUnsupportedError, "float8_e4m3fn", "dispatch_quant_type"):
             op.dispatch(q, w, torch.ones(4, 1), ids.int())
 
 

@@ -40,6 +40,6 @@ def test_gradients_match_the_dense_moe(ws):
 
 
 def test_fp8_forward_has_bf16_gradients():
-    """quant_type fp8 forward: experts see the fp8 rows, gradients travel and arrive as bf16."""
+    """dispatch_quant_type fp8 forward: experts see the fp8 rows, gradients travel and arrive as bf16."""
     cases = [Case(("rows",), fp8=True), Case(("packed",), fp8=True, replay=True)]
     run_distributed(cases_job, 2, _seed(), cases, [6, 3], timeout=300)

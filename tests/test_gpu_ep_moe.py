@@ -53,15 +53,16 @@ HIP_FEATURES = {
                        dict(routing_replay=True, expert_counts=True, index_dtype=torch.int64, scale_dim=3,
                             scale_type_size=1)],
     # bf16 input cast in the kernel, compared byte for byte with quant.py (the torch backend)
-    "fp8_cast": [dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
-                      scale_dim=HIP_H // 128, scale_type_size=4, expert_counts=True),
-                 dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
-                      scale_dim=HIP_H // 128, scale_type_size=1, routing_replay=True, index_dtype=torch.int64)],
+    "fp8_cast": [dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
+                      combine_data_type=torch.bfloat16, scale_dim=HIP_H // 128, scale_type_size=4, expert_counts=True),
+                 dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
+                      combine_data_type=torch.bfloat16, scale_dim=HIP_H // 128, scale_type_size=1,
+                      routing_replay=True, index_dtype=torch.int64)],
     # the expert-major layout (with replay: refilled along the same entries) and its combine; an overflow
     "expert_layout": [dict(expert_counts=True, expert_capacity=-1, scale_dim=2, scale_type_size=4, routing_replay=True),
-                      dict(quant_type="fp8_e4m3_block128", dispatch_data_type=FP8, combine_data_type=torch.bfloat16,
-                           scale_dim=HIP_H // 128, scale_type_size=1, expert_counts=True, expert_capacity=-1,
-                           index_dtype=torch.int64)],
+                      dict(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
+                           combine_data_type=torch.bfloat16, scale_dim=HIP_H // 128, scale_type_size=1,
+                           expert_counts=True, expert_capacity=-1, index_dtype=torch.int64)],
 }
 #: the graph-replay case: every feature above at once (bf16 rows, so the combine takes them as they are)
 HIP_GRAPH_FIELDS = dict(index_dtype=torch.int64, scale_dim=2, scale_type_size=4, expert_counts=True,
@@ -151,7 +152,7 @@ def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
     assert (res.expert is None) == (cfg.expert_capacity == 0)
     _hip_parity(res, r)
     if cfg.expert_capacity:
-        _check_expert_major_combine(op, res, _values(xq, sq, bool(cfg.quant_type)), w, idx, rank, ws)
+        _check_expert_major_combine(op, res, _values(xq, sq, bool(cfg.dispatch_quant_type)), w, idx, rank, ws)
     if cfg.routing_replay:
         recv_src = res.routing.recv_src.clone()
         maps = [t.clone() for t in res.expert[3:]] if res.expert is not None else []
@@ -174,7 +175,7 @@ def _hip_call(op, ref, rank, ws, gen, n, drop, to, with_w):
             golden_check_experts(op.group, rank, ws, HIP_M, HIP_EPR, xq, w, idx, res.expert_counts, res.expert,
                                  scales=sq, out=res.out, recv_src=recv_src)
         if cfg.expert_capacity:
-            _check_expert_major_combine(op, res, _values(xq, sq, bool(cfg.quant_type)), w, idx, rank, ws)
+            _check_expert_major_combine(op, res, _values(xq, sq, bool(cfg.dispatch_quant_type)), w, idx, rank, ws)
     exp = _identity_expert(res.out, cfg.combine_dtype)
     exp[int(res.total_recv.item()):].fill_(float("nan"))  # rows past total_recv must never be read
     y, y_w = op.combine(exp, weights=res.out_weights, routing=res.routing)

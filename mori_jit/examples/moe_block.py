@@ -7,9 +7,9 @@ top-k picks distinct experts), ``index_dtype=torch.int64`` (what :func:`route` p
 combine. The payload may be:
 
 * bf16 rows (``data_type=torch.bfloat16``);
-* fp8 rows the op casts on the way (``quant_type="fp8_e4m3_block128"``): the block passes bf16;
+* fp8 rows the op casts on the way (``dispatch_quant_type="fp8_e4m3_block128"``): the block passes bf16;
 * fp8 rows with the block's own scales (``dispatch_data_type=float8_e4m3fn``, ``scale_dim =
-  hidden / 128``, no ``quant_type``): the block quantizes before the dispatch.
+  hidden / 128``, no ``dispatch_quant_type``): the block quantizes before the dispatch.
 
 Each expert is ``f_e(v) = silu(v @ w_up[e]) @ w_down[e]`` (bf16 weights); the experts of a rank run
 as two grouped GEMMs over ``[E, capacity, ...]`` (``torch._grouped_mm`` where torch has it, else one
@@ -25,13 +25,13 @@ from typing import Optional
 
 import torch
 
-from mori_jit.ops.ep.quant import QUANT_TYPES, dequantize, quantize
+from mori_jit.ops.ep.quant import DISPATCH_QUANT_TYPES, dequantize, quantize
 from mori_jit.ops.ep.results import EpExpertLayout
 
 __all__ = ["MoeExperts", "MoeBlock", "route", "grouped_mm", "run_experts"]
 
-#: the block quantization of fp8 payloads (the op's own under quant_type, the block's otherwise)
-FP8_BLOCK = QUANT_TYPES["fp8_e4m3_block128"]
+#: the block quantization of fp8 payloads (the op's own under dispatch_quant_type, the block's otherwise)
+FP8_BLOCK = DISPATCH_QUANT_TYPES["fp8_e4m3_block128"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ class MoeBlock:
             raise ValueError(f"MoeBlock: the op's config lacks {', '.join(missing)}")
         self.op, self.gate, self.experts, self.k = op, gate, experts, cfg.num_experts_per_token
         # fp8 rows without the op's cast: the block quantizes them itself
-        self._self_quantize = cfg.quant_type in (None, "none") and cfg.dispatch_dtype == FP8_BLOCK.wire_dtype
+        self._self_quantize = cfg.dispatch_quant_type in (None, "none") and cfg.dispatch_dtype == FP8_BLOCK.wire_dtype
         self._scale_type_size = cfg.scale_type_size
 
     def __call__(self, x: torch.Tensor, routing: Optional[tuple] = None) -> torch.Tensor:

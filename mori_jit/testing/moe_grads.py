@@ -163,7 +163,7 @@ class Case:
     index_dtype: torch.dtype = torch.int64
     replay: bool = False  # cfg.routing_replay (combine's backward replays while the routing is the latest)
     checkpoint: bool = False  # each layer under torch.utils.checkpoint (non-reentrant)
-    fp8: bool = False  # quant_type fp8 block-128 forward, bf16 combine, a bf16 gradient op
+    fp8: bool = False  # dispatch_quant_type fp8 block-128 forward, bf16 combine, a bf16 gradient op
     backend: str = "torch"
 
     @property
@@ -180,7 +180,7 @@ def _configs(rank: int, ws: int, p: Problem, case: Case, M: int):
                 expert_counts=True, expert_capacity=ws * M * p.k if "expert_major" in case.layouts else 0)
     if not case.fp8:
         return EpDispatchCombineConfig(data_type=case.dtype, routing_replay=case.replay, **base), None
-    fp8 = EpDispatchCombineConfig(quant_type="fp8_e4m3_block128", dispatch_data_type=torch.float8_e4m3fn,
+    fp8 = EpDispatchCombineConfig(dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=torch.float8_e4m3fn,
                                   combine_data_type=torch.bfloat16, scale_dim=p.H // 128, scale_type_size=4,
                                   routing_replay=case.replay, **base)
     return fp8, EpDispatchCombineConfig(data_type=torch.bfloat16, routing_replay=case.replay, **base)

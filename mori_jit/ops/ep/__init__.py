@@ -5,12 +5,13 @@ Map (each folder's ``__init__`` says more)::
     ops/ep/                 what a user touches, and what every layer below shares
       config, config_rules    EpDispatchCombineConfig, its fields' allowed values and rules
       errors                  EpError and every error the op raises
-      results, quant          dispatch's named outputs; the in-op fp8 quantization
+      results, quant          dispatch's named outputs; the two wires' quantizations
       knobs, contract         the op's settings (MORI_EP_*); facts the kernels and checks share
     core/                   the backend-independent op: lifecycle, argument checks, the
                             ranks' agreement on each call and the bounded waits of its host
                             collectives, KernelSet (what a backend hands it), Schedule (which
-                            geometry a call launches), the split legs (overlap)
+                            geometry a call launches), the split legs (overlap), mori's call
+                            options and accessors (call_options, op_mori)
     memory/                 the symmetric arena and where its memory comes from: torch
                             symmetric memory, CUDA/HIP IPC, NVSHMEM; what ranks learn of each other
     train/                  training and prefill: dispatch and combine differentiable, as
@@ -33,6 +34,8 @@ own folder, from folders below it in this list, or from the top files of ``ops/e
 
 ``core`` names its backends and ``train`` (whose hooks make the op's calls differentiable) by module
 path only (``core/op.py``'s ``_BACKENDS``, ``_TRAIN``), never by import.
+:mod:`mori_jit.compat` (mori's API for the serving engines) builds on this package; nothing here
+imports it.
 Golden checks live in :mod:`mori_jit.testing`, the worked MoE block in :mod:`mori_jit.examples`.
 
 Importing this package imports neither torch nor a backend: the spec registry walks it to find

@@ -67,9 +67,13 @@ class EpDispatchCombineConfig:
     scale_type_size: int = dataclasses.field(default=0, metadata=MOE_OPTION)
     #: mori's combine mode; ``"gather"`` or ``"scatter"`` (both run the push combine here).
     combine_mode: str = "gather"
-    #: In-op quantization of the dispatch payload (:mod:`.quant`): None/``"none"``, or
+    #: mori's field: the combine wire's quantization, mori's values (:data:`.quant.COMBINE_QUANT_TYPES`:
+    #: ``"none"``, ``"fp8_direct_cast"``, ``"fp8_blockwise"``, ...). A backend refuses at
+    #: construction, by name, the values it does not serve (both serve ``"none"``).
+    quant_type: str = "none"
+    #: The cast of the dispatch payload in the op (:mod:`.quant`): None/``"none"``, or
     #: ``"fp8_e4m3_block128"`` (bf16 in, e4m3 rows and per-128-block scales out).
-    quant_type: Optional[str] = dataclasses.field(default=None, metadata=MOE_OPTION)
+    dispatch_quant_type: Optional[str] = dataclasses.field(default=None, metadata=MOE_OPTION)
     #: Dispatch blocks per launch (None: the backend's tuning table).
     dispatch_block_num: Optional[int] = dataclasses.field(default=None, metadata=PER_RANK)
     #: Combine blocks per launch (None: the tuning table).
@@ -132,14 +136,19 @@ class EpDispatchCombineConfig:
 
     @property
     def input_dtype(self) -> torch.dtype:
-        """The dtype dispatch takes: the quantization's input under ``quant_type``, else the dispatch dtype."""
-        spec = quant_spec(self.quant_type)
+        """The dtype dispatch takes: the cast's input under ``dispatch_quant_type``, else the dispatch dtype."""
+        spec = quant_spec(self.dispatch_quant_type)
         return spec.input_dtype if spec is not None else self.dispatch_dtype
 
     @property
     def recv_capacity(self) -> int:
         """Rows of the receive buffer (= the flat-index stride)."""
         return self.max_total_recv_tokens or self.world_size * self.max_num_inp_token_per_rank
+
+    @property
+    def effective_max_recv(self) -> int:
+        """mori's name of :attr:`recv_capacity` (engines read it to bound the rows they process)."""
+        return self.recv_capacity
 
     @property
     def num_experts(self) -> int:

@@ -10,7 +10,7 @@ import torch
 from mori_jit.jit.fields import CPP_INT_RANGE
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.errors import EpConfigError
-from mori_jit.ops.ep.quant import QUANT_TYPES, quant_config_errors
+from mori_jit.ops.ep.quant import COMBINE_QUANT_TYPES, DISPATCH_QUANT_TYPES, quant_config_errors
 
 __all__ = ["check_config", "DISPATCH_DTYPES", "COMBINE_DTYPES", "BACKENDS", "DEFAULT_BACKEND", "INTERNODE_KERNELS",
            "SYMM_MEMORY_KINDS", "INDEX_DTYPES", "SCALE_TYPE_SIZES"]
@@ -139,9 +139,13 @@ def _moe_field_errors(cfg) -> list[str]:
                       f"(both 0: no scales)")
     elif cfg.scale_type_size and cfg.scale_type_size not in SCALE_TYPE_SIZES:
         errors.append(f"scale_type_size={cfg.scale_type_size}: allowed {SCALE_TYPE_SIZES} (bytes per scale)")
-    if cfg.quant_type is not None and not isinstance(cfg.quant_type, str):  # (a name is looked up in a dict)
-        return errors + [f"quant_type={cfg.quant_type!r}: expected None or a name: allowed None, 'none', "
-                         f"{', '.join(map(repr, QUANT_TYPES))}"]
+    # (a name is looked up in a dict: anything but a name is refused before the lookup)
+    if cfg.dispatch_quant_type is not None and not isinstance(cfg.dispatch_quant_type, str):
+        return errors + [f"dispatch_quant_type={cfg.dispatch_quant_type!r}: expected None or a name: allowed None, "
+                         f"'none', {', '.join(map(repr, DISPATCH_QUANT_TYPES))}"]
+    if cfg.quant_type is not None and not isinstance(cfg.quant_type, str):  # (None: refused by quant_config_errors)
+        return errors + [f"quant_type={cfg.quant_type!r}: expected a name: the combine wire's quantization, mori's "
+                         f"values: {', '.join(map(repr, COMBINE_QUANT_TYPES))}"]
     return errors + quant_config_errors(cfg)
 
 

@@ -1,4 +1,12 @@
-"""In-op quantization of the dispatch payload (``EpDispatchCombineConfig.quant_type``).
+"""The quantizations of the EP op's two wires.
+
+* **Dispatch** (``EpDispatchCombineConfig.dispatch_quant_type``): the op casts the payload on the
+  way (mori-jit's own; mori has no such field). Its one value is below.
+* **Combine** (``EpDispatchCombineConfig.quant_type``): mori's field, with mori's values and meaning
+  (:data:`COMBINE_QUANT_TYPES`: how the combine wire carries the expert outputs). A backend serves
+  the values it lists and refuses the others by name at construction (:func:`combine_quant_gap`).
+
+The dispatch cast:
 
 ``"fp8_e4m3_block128"`` (DeepSeek-V3 style, DeepGEMM's ``per_token_cast_to_fp8``): each row of a
 bf16 input is cut into blocks of 128 elements, and each block ``b`` becomes e4m3 values and one
@@ -27,11 +35,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["QuantSpec", "QUANT_TYPES", "quant_spec", "quantize", "dequantize", "scale_values", "ue8m0_dtype",
-           "quant_config_errors", "float32_reciprocal"]
+__all__ = ["QuantSpec", "DISPATCH_QUANT_TYPES", "COMBINE_QUANT_TYPES", "quant_spec", "quantize", "dequantize",
+           "scale_values", "ue8m0_dtype", "quant_config_errors", "combine_quant_gap", "float32_reciprocal"]
 
-#: What the config's ``quant_type`` means when it is None or ``"none"``: no in-op quantization.
+#: What ``dispatch_quant_type`` means when it is None or ``"none"``: no in-op cast.
 NO_QUANT = (None, "none")
+#: mori's values of ``quant_type``, the combine wire's quantization (its v1 and v2 ops): none, fp8
+#: by a plain cast, fp8 with one-byte scales per 32 values, fp4 e2m1 with one-byte scales per 32
+#: values, fp4 e2m1 with float32 scales per 128 values.
+COMBINE_QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise", "fp4_blockwise", "fp4_blockwise_fp32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +57,8 @@ class QuantSpec:
     scale_sizes: tuple[int, ...]  # accepted scale_type_size values (4: float32, 1: UE8M0)
 
 
-QUANT_TYPES = {"fp8_e4m3_block128": QuantSpec(torch.bfloat16, torch.float8_e4m3fn, 128, 448.0, (4, 1))}
+#: The dispatch casts by name (``dispatch_quant_type``).
+DISPATCH_QUANT_TYPES = {"fp8_e4m3_block128": QuantSpec(torch.bfloat16, torch.float8_e4m3fn, 128, 448.0, (4, 1))}
 
 #: The floor of a block's amax (DeepGEMM's), so an all-zero block gets a finite scale.
 AMAX_FLOOR = 1e-4
@@ -58,9 +71,9 @@ def float32_reciprocal(value: float) -> float:
     return float(one / torch.tensor(value, dtype=torch.float32))
 
 
-def quant_spec(quant_type: Optional[str]) -> Optional[QuantSpec]:
-    """The spec of ``quant_type`` (None for no quantization); KeyError for an unknown name."""
-    return None if quant_type in NO_QUANT else QUANT_TYPES[quant_type]
+def quant_spec(dispatch_quant_type: Optional[str]) -> Optional[QuantSpec]:
+    """The spec of the dispatch cast ``dispatch_quant_type`` (None for none); KeyError for an unknown name."""
+    return None if dispatch_quant_type in NO_QUANT else DISPATCH_QUANT_TYPES[dispatch_quant_type]
 
 
 def ue8m0_dtype() -> torch.dtype:
@@ -111,13 +124,20 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.d
 
 
 def quant_config_errors(cfg) -> list[str]:
-    """What is wrong with ``cfg``'s ``quant_type`` and its scale fields (empty = consistent)."""
-    if cfg.quant_type in NO_QUANT:
-        return []
-    if cfg.quant_type not in QUANT_TYPES:
-        return [f"quant_type={cfg.quant_type!r}: allowed None, 'none', {', '.join(map(repr, QUANT_TYPES))}"]
-    spec, q = QUANT_TYPES[cfg.quant_type], f"quant_type={cfg.quant_type!r}"
+    """What is wrong with ``cfg``'s two quantization fields and the scale fields of the dispatch cast
+    (empty = consistent)."""
     errors = []
+    if cfg.quant_type not in COMBINE_QUANT_TYPES:
+        hint = (f" ({cfg.quant_type!r} is the dispatch cast: set dispatch_quant_type={cfg.quant_type!r})"
+                if cfg.quant_type in DISPATCH_QUANT_TYPES else "")
+        errors.append(f"quant_type={cfg.quant_type!r}: the combine wire's quantization, mori's values: "
+                      f"{', '.join(map(repr, COMBINE_QUANT_TYPES))}{hint}")
+    if cfg.dispatch_quant_type in NO_QUANT:
+        return errors
+    if cfg.dispatch_quant_type not in DISPATCH_QUANT_TYPES:
+        return errors + [f"dispatch_quant_type={cfg.dispatch_quant_type!r}: allowed None, 'none', "
+                         f"{', '.join(map(repr, DISPATCH_QUANT_TYPES))}"]
+    spec, q = DISPATCH_QUANT_TYPES[cfg.dispatch_quant_type], f"dispatch_quant_type={cfg.dispatch_quant_type!r}"
     if cfg.dispatch_data_type != spec.wire_dtype:
         errors.append(f"{q} sends {spec.wire_dtype}: set dispatch_data_type={spec.wire_dtype} (what dispatch "
                       f"returns; the input is {spec.input_dtype}), got {cfg.dispatch_data_type}")
@@ -129,3 +149,12 @@ def quant_config_errors(cfg) -> list[str]:
     if cfg.scale_type_size not in spec.scale_sizes:
         errors.append(f"{q}: scale_type_size={cfg.scale_type_size}, allowed 4 (float32 scales) or 1 (UE8M0)")
     return errors
+
+
+def combine_quant_gap(cfg, served: tuple[str, ...]) -> Optional[str]:
+    """A backend's refusal of ``cfg.quant_type`` when it is not among the combine quantizations the
+    backend ``served`` (None when it is): what :meth:`_unsupported` lists."""
+    if cfg.quant_type in served:
+        return None
+    return (f"quant_type={cfg.quant_type!r} (mori's combine-wire quantization; this backend's combine moves "
+            f"{cfg.combine_dtype} rows as they are, served: {', '.join(map(repr, served))})")

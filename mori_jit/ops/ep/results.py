@@ -29,7 +29,7 @@ class EpExpertLayout(NamedTuple):
     """
 
     x: torch.Tensor
-    """``[E, C, H]`` dispatch dtype (fp8 e4m3 under ``quant_type``): the token row of each entry.
+    """``[E, C, H]`` dispatch dtype (fp8 e4m3 under ``dispatch_quant_type``): the token row of each entry.
     Padding rows hold unspecified values (the ``torch`` backend: zeros): mask them, never read them."""
 
     scales: Optional[torch.Tensor]
@@ -61,7 +61,7 @@ class EpDispatchResult(NamedTuple):
 
     out_scales: Optional[torch.Tensor]
     """``[cap, S]`` (the scales' dtype: float32, or UE8M0 bytes when ``scale_type_size=1``): each
-    received row's scales (the caller's, or the op's own under ``quant_type``); None when ``S == 0``."""
+    received row's scales (the caller's, or the op's own under ``dispatch_quant_type``); None when ``S == 0``."""
 
     out_indices: torch.Tensor
     """``[cap, k]`` ``cfg.index_dtype``: each received token's expert ids, as its source sent them."""

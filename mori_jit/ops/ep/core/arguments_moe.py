@@ -14,13 +14,14 @@ __all__ = ["check_scales", "check_replay", "check_expert_major_input"]
 
 
 def check_scales(cfg, scales: Optional[torch.Tensor], n: int, device, supported: bool, unsupported: type) -> None:
-    """``scales``: None under ``quant_type`` (the op makes them) or without ``scale_dim``; else a
+    """``scales``: None under ``dispatch_quant_type`` (the op makes them) or without ``scale_dim``; else a
     contiguous ``[n, scale_dim]`` tensor of ``scale_type_size``-byte elements on ``device``."""
     if scales is not None and not supported:
         raise unsupported("per-token scales are not supported by this backend")
-    if cfg.quant_type not in (None, "none"):
+    if cfg.dispatch_quant_type not in (None, "none"):
         if scales is not None:
-            raise EpArgumentError(f"scales: the op makes them (quant_type={cfg.quant_type!r}); pass None")
+            raise EpArgumentError(f"scales: the op makes them (dispatch_quant_type={cfg.dispatch_quant_type!r}); "
+                                  f"pass None")
         return
     if scales is None:
         if cfg.scale_dim:

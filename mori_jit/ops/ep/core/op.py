@@ -4,7 +4,8 @@ The base class owns ``dispatch``/``combine``/``_pick``/validation/lifecycle, onc
 supplies three things: ``_regions(cfg)`` (arena region sizes; empty = no arena),
 ``_build_kernels(cfg, arena)`` (a :class:`KernelSet`) and ``_unsupported(cfg)`` (what it cannot do).
 Behaviour differences are data on the KernelSet, not overrides. ``EpDispatchCombineOp(cfg, group)``
-returns the backend's subclass, importing only that backend.
+returns the backend's subclass, importing only that backend. mori's names that the serving
+engines read (``local_expert_count``, ``backend_name``, ...) come from :class:`.op_mori.MoriSurface`.
 
 Order (docs/design.md §6): process group → capability gate → rank cards (configs compared, ranks
 per device, memory kind) → arena → every variant compiled → launches.
@@ -24,6 +25,8 @@ from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.core.agreement import agree_on_arguments, agree_on_step
 from mori_jit.ops.ep.core.arguments import byte_span
 from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
+from mori_jit.ops.ep.core.call_options import check_call_options, pick_geometry, refuse_train_options, resolve_group
+from mori_jit.ops.ep.core.op_mori import MoriSurface
 from mori_jit.ops.ep.core.kernel_set import KernelSet
 from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
 from mori_jit.ops.ep.core.overlap import SplitLegs, refuse_in_flight_then
@@ -53,12 +56,16 @@ def _backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-class EpDispatchCombineOp(SplitLegs, abc.ABC):
-    """Expert-parallel dispatch/combine over ``group`` (None = WORLD). Collective to construct.
+class EpDispatchCombineOp(SplitLegs, MoriSurface, abc.ABC):
+    """Expert-parallel dispatch/combine over ``group``: None (WORLD), a torch process group, or a
+    communicator-like object holding one as ``process_group`` (mori's ``mori.cco.Communicator``
+    as :mod:`mori_jit.compat.mori` makes it). Collective to construct.
 
     Use as a context manager or call :meth:`close` to release the arena. Each leg also runs as a
     send and a receive (:class:`~mori_jit.ops.ep.core.overlap.SplitLegs`).
     """
+
+    _backend_paths = _BACKENDS
 
     def __new__(cls, cfg: EpDispatchCombineConfig, group=None):
         if not isinstance(cfg, EpDispatchCombineConfig):  # (before cfg.backend() is asked of it)
@@ -92,7 +99,7 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         if not isinstance(cfg, EpDispatchCombineConfig):
             raise EpArgumentTypeError(f"cfg: expected an EpDispatchCombineConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = resolve_group(group)
         ws, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if (ws, rank) != (cfg.world_size, cfg.rank):
             raise EpArgumentError(f"cfg says rank {cfg.rank} of {cfg.world_size}, the process group says {rank} of {ws}")
@@ -128,7 +135,8 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         self._routing = None  # the latest dispatch's routing
         self._dispatches = self._routing_no = 0  # agreed dispatches; the one self._routing came from
         # scales=None is refused only where the caller must pass them (check_scales)
-        self._scales_required = bool(cfg.scale_dim) and cfg.quant_type in (None, "none")
+        self._scales_required = bool(cfg.scale_dim) and cfg.dispatch_quant_type in (None, "none")
+        self._count_experts = cfg.expert_counts  # (local_expert_count: the latest dispatch's counts)
         # backends whose legs are host collectives agree on the arguments first (see core/agreement.py)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
         self._closed = False
@@ -210,21 +218,6 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         self._kernels.reset()
         self._in_flight = None  # (a send's receive is moot once the counters are cleared)
 
-    def get_combine_input_buffer(self) -> torch.Tensor:
-        """A ``[recv_capacity, hidden]`` buffer (combine dtype) an expert may write into: the same
-        tensor on every call (the ``hip`` backend allocates it on the first, outside the symmetric
-        arena, so an op that never asks costs nothing).
-
-        ``combine(buffer[:rows] or buffer, ...)`` reads it in place, as it reads any input (the
-        ``hip`` backend has no staging copy), so it is a convenience: a static address for graph
-        captures and no allocation per step. Only this rank writes it; rows beyond ``total_recv``
-        are ignored.
-        """
-        k = self._live()
-        if k.combine_input_buffer is None:
-            raise EpUnsupportedError(f"{type(self).__name__} has no combine input buffer")
-        return k.combine_input_buffer()
-
     @property
     def latest_routing(self):
         """The routing of this op's latest dispatch that was not a replay (None before the first): the
@@ -234,15 +227,16 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
     # -- the op ----------------------------------------------------------------------------------
     def dispatch(self, input: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
                  indices: Optional[torch.Tensor], *, routing=None, return_routing: bool = False,
-                 return_result: bool = False, return_recv_hook: bool = False):
+                 return_result: bool = False, return_recv_hook: bool = False, call_local_expert_count: bool = False,
+                 block_num: int = -1, rdma_block_num: int = -1, warp_per_block: int = -1):
         """Send each token to the ranks of its top-k experts (once per distinct rank).
 
         Args:
-            input: ``[n, hidden]`` ``cfg.input_dtype`` (the dispatch dtype; bf16 under ``quant_type``,
-                which the op casts to fp8 with block scales on the way), ``n <= M``.
+            input: ``[n, hidden]`` ``cfg.input_dtype`` (the dispatch dtype; bf16 under
+                ``dispatch_quant_type``, which the op casts to fp8 with block scales on the way), ``n <= M``.
             weights: ``[n, k]`` float32 top-k weights, or None (then every rank passes None).
             scales: ``[n, scale_dim]`` per-token scales of ``scale_type_size``-byte elements when the
-                config declares ``scale_dim`` (and no ``quant_type``); else None.
+                config declares ``scale_dim`` (and no ``dispatch_quant_type``); else None.
             indices: ``[n, k]`` ``cfg.index_dtype`` expert ids; an id ``< 0`` or out of range drops
                 its slot. None on a replay (the routing has them).
             routing: replay (``cfg.routing_replay``): the routing of this op's latest dispatch; the new
@@ -258,6 +252,12 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
             return_recv_hook: run only the send (:meth:`dispatch_send`) and return its outputs
                 followed by a ``hook`` that receives (:meth:`dispatch_recv`): the tuple with the
                 hook appended, or ``(result, hook)`` with ``return_result``.
+            call_local_expert_count: mori's request for :attr:`local_expert_count`; the op counts
+                on every dispatch when ``cfg.expert_counts`` (refused by name otherwise).
+            block_num, rdma_block_num, warp_per_block: mori's per-call geometry (-1: the op's
+                choice): a geometry one of the op's built variants has is launched; any other is
+                refused by name (nothing compiles on a call; the kernels have no network blocks).
+                Not on the differentiable path (pin the geometry in the config there).
 
         Returns ``(out, out_weights, out_scales, out_indices, total_recv)`` (+ ``routing`` when
         ``return_routing``). ``out`` is ``[recv_capacity, hidden]``; rows ``[0, total_recv)`` are
@@ -270,44 +270,63 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         (:mod:`mori_jit.ops.ep.train`: fresh outputs, a backward that sends the gradients home).
         """
         if return_recv_hook:
-            return self._with_hook("dispatch", self.dispatch_send(input, weights, scales, indices, routing=routing,
-                                                                  return_routing=return_routing,
-                                                                  return_result=return_result))
+            return self._with_hook("dispatch", self.dispatch_send(
+                input, weights, scales, indices, routing=routing, return_routing=return_routing,
+                return_result=return_result, call_local_expert_count=call_local_expert_count, block_num=block_num,
+                rdma_block_num=rdma_block_num, warp_per_block=warp_per_block))
+        # (mori's -1 each: the common case, tested inline within the call's host budget)
+        geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
+            (block_num, rdma_block_num, warp_per_block)
         if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
                 and routing is None and torch.is_grad_enabled()):
+            refuse_train_options(self, "dispatch", geometry, count=call_local_expert_count)
             return _train().dispatch(self, input, weights, scales, indices, return_routing, return_result)
         if getattr(weights, "dtype", None) in _ROUTER_DTYPES:
             weights = weights.float()
         if self._agree_per_call:
             k, fresh = self._kernels, routing is None  # (a replay belongs to the dispatch it replays)
             n = self._agree("dispatch" if fresh else "replay", self._dispatches + 1 if fresh else self._routing_no,
-                            weights is not None, self._check_dispatch, k, input, weights, scales, indices, routing)
+                            weights is not None, self._check_dispatch, k, input, weights, scales, indices, routing,
+                            call_local_expert_count, geometry)
             self._dispatches += fresh
         else:
             k = self._live()
-            n = self._check_dispatch(k, input, weights, scales, indices, routing)
+            n = self._check_dispatch(k, input, weights, scales, indices, routing, call_local_expert_count, geometry)
+        v = self._pick(n) if geometry is None else pick_geometry(k.schedule, "dispatch", n, *geometry)
         if routing is None:
-            res = k.dispatch(self._pick(n), input, weights, scales, indices)
+            res = k.dispatch(v, input, weights, scales, indices)
             # the only routing combine accepts until the next dispatch
             self._routing, self._routing_no = res[5], self._dispatches
         else:
-            res = k.replay(self._pick(n), input, weights, scales, routing)
+            res = k.replay(v, input, weights, scales, routing)
+        if self._count_experts:
+            self._counts = res[6][0]
         if return_result:
             return EpDispatchResult.of(res)
         return res[:6] if return_routing else res[:5]
 
-    def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing) -> int:
+    def _check_dispatch(self, k: KernelSet, input, weights, scales, indices, routing, count: bool = False,
+                        geometry: Optional[tuple] = None) -> int:
         """Raise TypeError/ValueError naming a bad argument (EpStateError while a leg is in flight);
         return the token count."""
         self._refuse_in_flight()
-        return check_dispatch_args(self, k, input, weights, scales, indices, routing)
+        n = check_dispatch_args(self, k, input, weights, scales, indices, routing)
+        check_call_options(self, k.schedule, "dispatch", n, geometry, count=count)
+        return n
 
     def combine(self, input: torch.Tensor, weights: Optional[torch.Tensor] = None,
-                indices: Optional[torch.Tensor] = None, *, routing, out: Optional[torch.Tensor] = None,
-                out_weights: Optional[torch.Tensor] = None, return_recv_hook: bool = False):
+                indices: Optional[torch.Tensor] = None, *, routing=None, out: Optional[torch.Tensor] = None,
+                out_weights: Optional[torch.Tensor] = None, return_recv_hook: bool = False, block_num: int = -1,
+                rdma_block_num: int = -1, warp_per_block: int = -1, use_external_inp_buf: int = -1,
+                call_reset: bool = False):
         """Sum each token's expert outputs back on its source rank (fp32 accumulation, unweighted).
 
         ``input[i]`` is the expert output of dispatch row i (``[rows <= recv_capacity, hidden]``).
+        ``routing``: the latest dispatch's (None: that one, the only one accepted); ``indices`` is
+        unused (mori's signature; the routing carries the mapping). mori's per-call options: the
+        geometry as in :meth:`dispatch`; ``use_external_inp_buf`` (-1, 0 or 1) and ``call_reset``
+        are accepted with mori's meaning and need nothing done (the input is read in place
+        wherever it lies, and the kernels leave the op ready for the next dispatch).
         Returns ``(out [n, hidden], out_weights [n, k] | None)``, freshly allocated unless the
         caller passes them: ``out`` (combine dtype) and ``out_weights`` (float32, only with
         ``weights``) are written in place and returned, which saves the allocations (host time)
@@ -322,19 +341,39 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         (its dispatch must have been: :mod:`mori_jit.ops.ep.train`).
         """
         if return_recv_hook:
-            return self._with_hook("combine", self.combine_send(input, weights, indices, routing=routing, out=out,
-                                                                out_weights=out_weights))
+            return self._with_hook("combine", self.combine_send(
+                input, weights, indices, routing=routing, out=out, out_weights=out_weights, block_num=block_num,
+                rdma_block_num=rdma_block_num, warp_per_block=warp_per_block,
+                use_external_inp_buf=use_external_inp_buf, call_reset=call_reset))
+        routing = self._routing_or_latest("combine", routing)
+        geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
+            (block_num, rdma_block_num, warp_per_block)
+        options = None if use_external_inp_buf == -1 and call_reset is False else (use_external_inp_buf, call_reset)
         if ((getattr(input, "requires_grad", False) or getattr(weights, "requires_grad", False))
                 and torch.is_grad_enabled()):
+            refuse_train_options(self, "combine", geometry, options=options)
             return _train().combine(self, input, weights, routing, out, out_weights)
         if self._agree_per_call:
             k = self._kernels
             n = self._agree("combine", self._routing_no, weights is not None, self._check_combine, input, weights,
-                            routing, out, out_weights)
+                            routing, out, out_weights, geometry, options)
         else:
             k = self._live()
-            n = self._check_combine(input, weights, routing, out, out_weights)
-        return k.combine(self._pick(n), input, weights, routing, out, out_weights)
+            n = self._check_combine(input, weights, routing, out, out_weights, geometry, options)
+        v = self._pick(n) if geometry is None else pick_geometry(k.schedule, "combine", n, *geometry)
+        return k.combine(v, input, weights, routing, out, out_weights)
+
+    def _routing_or_latest(self, call: str, routing):
+        """mori's ``routing=None``: the latest dispatch's routing (EpStateError before any)."""
+        if routing is not None:
+            return routing
+        if self._routing is None:
+            if self._closed:  # (a closed op, or a group a failed exchange left unusable, says so first)
+                raise EpStateError("EpDispatchCombineOp is closed")
+            self._watch.check_usable()
+            raise EpStateError(f"{call}: routing=None takes the latest dispatch's routing, and no dispatch has "
+                               f"run on this op yet")
+        return self._routing
 
     def combine_expert_major(self, input: torch.Tensor, *, routing, out: Optional[torch.Tensor] = None):
         """Sum each token's expert outputs given in the expert-major layout (``cfg.expert_capacity``).
@@ -369,8 +408,11 @@ class EpDispatchCombineOp(SplitLegs, abc.ABC):
         self._watch.check_usable()
         return agree_on_arguments(self.group, (self._number, call, of), weights_given, check, *args)
 
-    def _check_combine(self, input, weights, routing, out, out_weights) -> int:
+    def _check_combine(self, input, weights, routing, out, out_weights, geometry: Optional[tuple] = None,
+                       options: Optional[tuple] = None) -> int:
         """Raise TypeError/ValueError naming a bad argument (EpStateError while a leg is in flight);
         return the token count."""
         self._refuse_in_flight()
-        return check_combine_args(self, input, weights, routing, out, out_weights)
+        n = check_combine_args(self, input, weights, routing, out, out_weights)
+        check_call_options(self, self._kernels.schedule, "combine", n, geometry, options=options)
+        return n

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
+from mori_jit.ops.ep.core.call_options import pick_geometry
 from mori_jit.ops.ep.results import EpDispatchResult
 from mori_jit.ops.ep.errors import EpStateError, EpUnsupportedError
 
@@ -92,23 +93,30 @@ class SplitLegs:
 
     # -- the calls ---------------------------------------------------------------------------------
     def dispatch_send(self, input, weights, scales, indices, *, routing=None, return_routing: bool = False,
-                      return_result: bool = False):
+                      return_result: bool = False, call_local_expert_count: bool = False, block_num: int = -1,
+                      rdma_block_num: int = -1, warp_per_block: int = -1):
         """:meth:`dispatch`'s first half: checks its arguments as ``dispatch`` does, sends this rank's
-        rows and returns ``dispatch``'s outputs (same arguments, same returns), which hold the
-        received rows only once :meth:`dispatch_recv` has run on the stream. Until then every other
-        call on the op raises :class:`EpStateError`. ``input``, ``weights``, ``scales`` and
-        ``indices`` must stay alive and unchanged until the receive."""
+        rows and returns ``dispatch``'s outputs (same arguments, same returns, mori's per-call
+        options included), which hold the received rows only once :meth:`dispatch_recv` has run on
+        the stream. Until then every other call on the op raises :class:`EpStateError`. ``input``,
+        ``weights``, ``scales`` and ``indices`` must stay alive and unchanged until the receive."""
         k = self._split_kernels("dispatch_send")
+        geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
+            (block_num, rdma_block_num, warp_per_block)
         if self._agree_per_call:  # (the same step as dispatch's: a send meets a peer's dispatch)
             fresh = routing is None
             n = self._agree("dispatch" if fresh else "replay", self._dispatches + 1 if fresh else self._routing_no,
-                            weights is not None, self._check_dispatch, k, input, weights, scales, indices, routing)
+                            weights is not None, self._check_dispatch, k, input, weights, scales, indices, routing,
+                            call_local_expert_count, geometry)
             self._dispatches += fresh
         else:
-            n = self._check_dispatch(k, input, weights, scales, indices, routing)
-        res, receive = k.dispatch_send(self._pick(n), input, weights, scales, indices, routing)
+            n = self._check_dispatch(k, input, weights, scales, indices, routing, call_local_expert_count, geometry)
+        v = self._pick(n) if geometry is None else pick_geometry(k.schedule, "dispatch", n, *geometry)
+        res, receive = k.dispatch_send(v, input, weights, scales, indices, routing)
         if routing is None:  # the only routing combine accepts (after the receive)
             self._routing, self._routing_no = res[5], self._dispatches
+        if self._count_experts:  # (local_expert_count: valid, like every output, after the receive)
+            self._counts = res[6][0]
         self._begin("dispatch", receive)
         if return_result:
             return EpDispatchResult.of(res)
@@ -120,18 +128,26 @@ class SplitLegs:
         and layout). Raises :class:`EpStateError` when no dispatch_send is in flight."""
         self._receive("dispatch", None)
 
-    def combine_send(self, input, weights=None, indices=None, *, routing, out=None, out_weights=None):
-        """:meth:`combine`'s first half: checks its arguments as ``combine`` does, pushes this rank's
+    def combine_send(self, input, weights=None, indices=None, *, routing=None, out=None, out_weights=None,
+                     block_num: int = -1, rdma_block_num: int = -1, warp_per_block: int = -1,
+                     use_external_inp_buf: int = -1, call_reset: bool = False):
+        """:meth:`combine`'s first half: checks its arguments as ``combine`` does (``routing=None``:
+        the latest dispatch's; mori's per-call options as ``combine`` takes them), pushes this rank's
         rows to their home ranks and returns ``combine``'s outputs ``(out, out_weights)``, valid once
         :meth:`combine_recv` has run on the stream. ``input`` and ``weights`` must stay alive and
         unchanged until the receive (it sums this rank's own rows from them)."""
         k = self._split_kernels("combine_send")
+        routing = self._routing_or_latest("combine_send", routing)
+        geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
+            (block_num, rdma_block_num, warp_per_block)
+        options = None if use_external_inp_buf == -1 and call_reset is False else (use_external_inp_buf, call_reset)
         if self._agree_per_call:
             n = self._agree("combine", self._routing_no, weights is not None, self._check_combine, input, weights,
-                            routing, out, out_weights)
+                            routing, out, out_weights, geometry, options)
         else:
-            n = self._check_combine(input, weights, routing, out, out_weights)
-        res, receive = k.combine_send(self._pick(n), input, weights, routing, out, out_weights)
+            n = self._check_combine(input, weights, routing, out, out_weights, geometry, options)
+        v = self._pick(n) if geometry is None else pick_geometry(k.schedule, "combine", n, *geometry)
+        res, receive = k.combine_send(v, input, weights, routing, out, out_weights)
         self._begin("combine", receive)
         return res
 

@@ -33,7 +33,7 @@ class TrainDispatch(NamedTuple):
     tensor is fresh: it outlives the op's next dispatch, and autograd may keep it for the backward."""
 
     out: Tensor
-    """``[cap, H]`` the input dtype (bf16 under ``quant_type``: the received fp8 rows times their
+    """``[cap, H]`` the input dtype (bf16 under ``dispatch_quant_type``: the received fp8 rows times their
     scales): received rows, in arrival order, zeros beyond ``total_recv``. Differentiable."""
 
     weights: Optional[Tensor]

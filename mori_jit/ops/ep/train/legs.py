@@ -3,7 +3,7 @@ the exchanges of their backward passes.
 
 **Rows.** A differentiable dispatch returns fresh tensors (never views of the op's buffers, which
 the next dispatch of any rank overwrites): ``out [recv_capacity, H]`` in the input dtype (under
-``quant_type`` the received fp8 rows times their block scales: what the experts compute on), zeros
+``dispatch_quant_type`` the received fp8 rows times their block scales: what the experts compute on), zeros
 beyond ``total_recv``; ids ``-1`` there; and its token ``src`` (see ``registry``).
 
 **The backward legs.** dispatch's backward sends the received rows' gradients home and sums them per
@@ -84,9 +84,9 @@ def _src_of(routing, total_recv: torch.Tensor, cap: int) -> torch.Tensor:
 
 def carries_gradients(op) -> bool:
     """Whether ``op``'s dispatch can carry a gradient out along a routing: a plain bf16/fp32 payload
-    (no ``quant_type``, no scales to pass)."""
+    (no ``dispatch_quant_type``, no scales to pass)."""
     cfg = op.cfg
-    return (cfg.quant_type in (None, "none") and not cfg.scale_dim
+    return (cfg.dispatch_quant_type in (None, "none") and not cfg.scale_dim
             and cfg.dispatch_dtype in (torch.bfloat16, torch.float32))
 
 
@@ -100,7 +100,7 @@ def exchange_op(entry: Entry):
         cfg = op.cfg
         raise EpUnsupportedError(
             f"combine's backward sends the {cfg.combine_dtype} output gradient out along the routing, which this op's "
-            f"dispatch (dispatch_data_type={cfg.dispatch_dtype}, quant_type={cfg.quant_type!r}, scale_dim="
+            f"dispatch (dispatch_data_type={cfg.dispatch_dtype}, dispatch_quant_type={cfg.dispatch_quant_type!r}, scale_dim="
             f"{cfg.scale_dim}) cannot carry; register a gradient op: mori_jit.ops.ep.train.register(op, gradient_op="
             f"an op of the same geometry with data_type={cfg.combine_dtype})")
     return g
@@ -129,14 +129,14 @@ def forward_dispatch(entry: Entry, x, weights, scales, ids) -> tuple:
     cap, k, E = cfg.recv_capacity, cfg.num_experts_per_token, cfg.num_experts_per_rank
     if cfg.input_dtype.itemsize == 1:
         raise EpUnsupportedError(f"a differentiable dispatch of {cfg.input_dtype} rows: no gradient reaches a 1-byte "
-                                 f"input; quantize in the op (quant_type) with a bf16 input instead")
+                                 f"input; quantize in the op (dispatch_quant_type) with a bf16 input instead")
     with torch.no_grad():  # (a compiled graph may hand over strided inputs: the op takes dense rows)
         res = op.dispatch(x.contiguous(), None if weights is None else weights.contiguous(),
                           None if scales is None else scales.contiguous(), ids.contiguous(), return_result=True)
         keep = row_mask(res.total_recv, cap)
         out = res.out
         if out.dtype != cfg.input_dtype:  # quantized on the way
-            out = dequantize(out, res.out_scales, quant_spec(cfg.quant_type).block, cfg.input_dtype)
+            out = dequantize(out, res.out_scales, quant_spec(cfg.dispatch_quant_type).block, cfg.input_dtype)
         out = _masked(out, keep, 0)
         dev = out.device
         out_w = (_masked(res.out_weights, keep, 0) if weights is not None

@@ -115,7 +115,7 @@ def _same_geometry(op: EpDispatchCombineOp, g: EpDispatchCombineOp) -> list[str]
 def register(op: EpDispatchCombineOp, gradient_op: Optional[EpDispatchCombineOp] = None) -> int:
     """The int handle of ``op`` for the custom ops (the same handle on every call; registering again
     sets the gradient op). ``gradient_op``: a second op of the same group and geometry whose dispatch
-    carries the gradient dtype (``op.cfg.combine_dtype``, no ``quant_type``, no scales), for an
+    carries the gradient dtype (``op.cfg.combine_dtype``, no ``dispatch_quant_type``, no scales), for an
     ``op`` whose dispatch moves fp8 rows: it carries combine's backward (see ``legs``)."""
     if not isinstance(op, EpDispatchCombineOp):
         raise EpArgumentTypeError(f"op: expected an EpDispatchCombineOp, got {type(op).__name__}")
@@ -124,8 +124,8 @@ def register(op: EpDispatchCombineOp, gradient_op: Optional[EpDispatchCombineOp]
             raise EpArgumentTypeError(f"gradient_op: expected an EpDispatchCombineOp, got {type(gradient_op).__name__}")
         wrong = _same_geometry(op, gradient_op)
         g, want = gradient_op.cfg, op.cfg.combine_dtype
-        if g.quant_type not in (None, "none") or g.scale_dim or g.dispatch_dtype != want or g.combine_dtype != want:
-            wrong.append(f"legs of {g.dispatch_dtype}/{g.combine_dtype} (quant_type={g.quant_type!r}, "
+        if g.dispatch_quant_type not in (None, "none") or g.scale_dim or g.dispatch_dtype != want or g.combine_dtype != want:
+            wrong.append(f"legs of {g.dispatch_dtype}/{g.combine_dtype} (dispatch_quant_type={g.dispatch_quant_type!r}, "
                          f"scale_dim={g.scale_dim})")
         if wrong:
             raise EpArgumentError(f"gradient_op: {'; '.join(wrong)}; allowed: the op's geometry and a plain dispatch "

@@ -111,7 +111,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         cap, hidden, k = EpMaxRecv(var.dispatch[0]), cfg.hidden_dim, cfg.num_experts_per_token
         out, out_w, out_idx, recv_src, total_recv = receive_views(arena, cfg, cap)
         made = None  # the dtype of the scales the kernels make (in-op quantization)
-        if cfg.quant_type not in (None, "none"):
+        if cfg.dispatch_quant_type not in (None, "none"):
             made = torch.float32 if cfg.scale_type_size == 4 else ue8m0_dtype()
         scale_views = ScaleViews(arena, cap, cfg.scale_dim, made)
         counts = arena.view("expert_counts", torch.int32, (cfg.num_experts_per_rank,)) if cfg.expert_counts else None

@@ -4,22 +4,28 @@ from __future__ import annotations
 
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.intranode.args import EP_MAX_PEERS
+from mori_jit.ops.ep.quant import combine_quant_gap
 
-__all__ = ["HIP_QUANT_TYPES", "gather_unquantized_gaps", "hip_gaps"]
+__all__ = ["HIP_QUANT_TYPES", "HIP_COMBINE_QUANT_TYPES", "gather_unquantized_gaps", "hip_gaps"]
 
 
-#: The in-op quantizations the ``hip`` kernels do (``EpCfg.quantFp8Block128``).
+#: The dispatch casts the ``hip`` kernels do (``EpCfg.quantFp8Block128``).
 HIP_QUANT_TYPES = (None, "none", "fp8_e4m3_block128")
+#: The combine-wire quantizations (mori's ``quant_type``) the ``hip`` kernels do.
+HIP_COMBINE_QUANT_TYPES = ("none",)
 
 
 def gather_unquantized_gaps(cfg: EpDispatchCombineConfig) -> list[str]:
-    """The ``hip`` backend's gaps of combine and quantization: only gather combine, and only the
-    in-op quantizations its kernels do."""
+    """The ``hip`` backend's gaps of combine and quantization: only gather combine, only the
+    dispatch casts its kernels do, and only an unquantized combine wire."""
     missing = []
     if cfg.combine_mode != "gather":
         missing.append(f"combine_mode={cfg.combine_mode!r} (only 'gather')")
-    if cfg.quant_type not in HIP_QUANT_TYPES:
-        missing.append(f"quant_type={cfg.quant_type!r} (pass already-quantized payloads instead)")
+    if cfg.dispatch_quant_type not in HIP_QUANT_TYPES:
+        missing.append(f"dispatch_quant_type={cfg.dispatch_quant_type!r} (pass already-quantized payloads instead)")
+    combine_gap = combine_quant_gap(cfg, HIP_COMBINE_QUANT_TYPES)
+    if combine_gap:
+        missing.append(combine_gap)
     return missing
 
 

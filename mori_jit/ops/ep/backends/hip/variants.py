@@ -35,7 +35,7 @@ def dispatch_moe_fields(cfg: EpDispatchCombineConfig) -> dict:
     only its non-default fields, so an op without them renders, keys and builds as before."""
     return {"ids64": cfg.index_dtype == torch.int64, "scaleDim": cfg.scale_dim, "scaleTypeSize": cfg.scale_type_size,
             "expertCounts": cfg.expert_counts, "routingReplay": cfg.routing_replay,
-            "quantFp8Block128": cfg.quant_type == "fp8_e4m3_block128", "expertCapacity": cfg.expert_capacity}
+            "quantFp8Block128": cfg.dispatch_quant_type == "fp8_e4m3_block128", "expertCapacity": cfg.expert_capacity}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The parity oracle and the baseline users would otherwise write. Runs on any process group (NCCL,
 RCCL, gloo on CPU). It syncs the host (token counts) and cannot be captured in a graph. It is the
-reference of every MoE feature (docs/design.md §6): per-token scales, ``quant_type``, int64 ids,
+reference of every MoE feature (docs/design.md §6): per-token scales, ``dispatch_quant_type``, int64 ids,
 local expert counts, the expert-major layout and its combine, and routing replay; and each leg
 as a send and a receive (``split``).
 
@@ -18,23 +18,26 @@ import torch.distributed as dist
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
-from mori_jit.ops.ep.quant import quant_spec, quantize
+from mori_jit.ops.ep.quant import combine_quant_gap, quant_spec, quantize
 from mori_jit.ops.ep.backends.torch.reference import reference_combine, reference_dispatch
 from mori_jit.ops.ep.backends.torch.reference_moe import TorchMoeRouting, expert_layout, expert_map, expert_rows_sum, reference_replay
 from mori_jit.ops.ep.backends.torch.split import empty_moe_outputs, fill_moe_outputs, post_combine, post_dispatch, post_replay
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpCapacityError
 
-__all__ = ["EpDispatchCombineOpTorch"]
+__all__ = ["EpDispatchCombineOpTorch", "TORCH_COMBINE_QUANT_TYPES"]
+
+#: The combine-wire quantizations (mori's ``quant_type``) this backend serves.
+TORCH_COMBINE_QUANT_TYPES = ("none",)
 
 
 class EpDispatchCombineOpTorch(EpDispatchCombineOp):
     """EP op on ``all_to_all_single``; same contract as the ``hip`` backend."""
 
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
-        if cfg.combine_mode != "gather":
-            return [f"combine_mode={cfg.combine_mode!r} (only 'gather')"]
-        return []
+        missing = [] if cfg.combine_mode == "gather" else [f"combine_mode={cfg.combine_mode!r} (only 'gather')"]
+        combine_gap = combine_quant_gap(cfg, TORCH_COMBINE_QUANT_TYPES)
+        return missing + ([combine_gap] if combine_gap else [])
 
     def _device(self, cfg: EpDispatchCombineConfig) -> torch.device:
         if dist.get_backend(self.group) == "gloo" or not torch.cuda.is_available():
@@ -45,14 +48,14 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
         return {}  # buffers come from the collectives; no symmetric arena
 
     def _build_kernels(self, cfg: EpDispatchCombineConfig, arena) -> KernelSet:
-        group, spec, watch = self.group, quant_spec(cfg.quant_type), self._watch
+        group, spec, watch, device = self.group, quant_spec(cfg.dispatch_quant_type), self._watch, self.device
 
         def exchange(call: str, collectives: int) -> Exchange:
             # ``collectives``: how many the call makes (a peer may wait in any not yet made)
             return Exchange(group, watch, f"{call} of op #{self._number}", collectives)
 
         def payload(x, scales):
-            # under quant_type the op makes the fp8 rows and their scales; else they are the caller's
+            # under dispatch_quant_type the op makes the fp8 rows and their scales; else they are the caller's
             return quantize(x, spec, cfg.scale_type_size) if spec is not None else (x, scales)
 
         def moe_outputs(routing, out, out_w, out_s):
@@ -111,6 +114,13 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
                 y, _ = reference_combine(group, routing, rows, None, cfg.combine_dtype, exchange=ex)
             return out.copy_(y) if out is not None else y
 
+        buffer = []  # the combine input buffer, made on first request (an op that never asks costs nothing)
+
+        def combine_input_buffer():
+            if not buffer:
+                buffer.append(torch.empty(cfg.recv_capacity, cfg.hidden_dim, dtype=cfg.combine_dtype, device=device))
+            return buffer[0]
+
         def dispatch_send(_v, x, weights, scales, indices, routing):
             # the legs above as a send that posts the payload exchange and a receive that unpacks it
             fresh = routing is None  # (a replay keeps its dispatch's expert map)
@@ -145,5 +155,6 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
                          capabilities=frozenset({"scales", "gloo", "nccl", "host_collectives"}),
-                         replay=replay, combine_expert_major=combine_expert_major, dispatch_send=dispatch_send,
+                         combine_input_buffer=combine_input_buffer, replay=replay,
+                         combine_expert_major=combine_expert_major, dispatch_send=dispatch_send,
                          combine_send=combine_send)

@@ -132,4 +132,6 @@ def net_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_pe
         comb.append(make_net_cfg(COMBINE, arch, {**kernel_fields(cfg, COMBINE), "blockNum": cb, "warpPerBlock": cw}))
         sched_d.append((db, dw))
         sched_c.append((cb, cw))
-    return NetVariants(Schedule(tuple(edges), tuple(sched_d), tuple(sched_c)), families, tuple(disp), tuple(comb))
+    # (a call may take another bucket's geometry only within its family: the families' protocols differ)
+    schedule = Schedule(tuple(edges), tuple(sched_d), tuple(sched_c), groups=families)
+    return NetVariants(schedule, families, tuple(disp), tuple(comb))
