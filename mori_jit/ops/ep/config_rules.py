@@ -63,16 +63,13 @@ def check_config(cfg) -> None:
         raise EpConfigError(f"EpDispatchCombineConfig.max_total_recv_tokens={cfg.max_total_recv_tokens}: must be 0 or "
                          f">= world_size*max_num_inp_token_per_rank = "
                          f"{cfg.world_size * cfg.max_num_inp_token_per_rank} (the worst case)")
-    if cfg.symm_memory not in SYMM_MEMORY_KINDS:
-        raise EpConfigError(f"EpDispatchCombineConfig.symm_memory={cfg.symm_memory!r}: allowed {SYMM_MEMORY_KINDS}")
-    if cfg.internode_kernel not in INTERNODE_KERNELS:
-        raise EpConfigError(f"EpDispatchCombineConfig.internode_kernel={cfg.internode_kernel!r}: allowed "
-                         f"{INTERNODE_KERNELS}")
+    _one_of("symm_memory", cfg.symm_memory, SYMM_MEMORY_KINDS)
+    _one_of("internode_kernel", cfg.internode_kernel, INTERNODE_KERNELS)
     _int("internode_auto_ll_max_tokens", cfg.internode_auto_ll_max_tokens, 1)
     if not _is_bool(cfg.split_send_recv):
         raise EpConfigError(f"EpDispatchCombineConfig.split_send_recv={cfg.split_send_recv!r}: expected True or False")
-    if cfg.kernel_backend is not None and cfg.kernel_backend not in BACKENDS:
-        raise EpConfigError(f"EpDispatchCombineConfig.kernel_backend={cfg.kernel_backend!r}: allowed {BACKENDS}")
+    if cfg.kernel_backend is not None:
+        _one_of("kernel_backend", cfg.kernel_backend, BACKENDS)
     if cfg.schedule is not None:
         _check_schedule(cfg.schedule)
     moe_errors = _moe_field_errors(cfg)
@@ -104,6 +101,11 @@ def _check_schedule(schedule: Any) -> None:
 
 def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= CPP_INT_RANGE[1]
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise EpConfigError(f"EpDispatchCombineConfig.{name}={value!r}: allowed {allowed}")
 
 
 def _int(name: str, value: Any, lo: int = 0) -> None:

@@ -78,13 +78,18 @@ def check_call_options(op, schedule: Schedule, leg: str, num_tokens: int, geomet
     ``call_local_expert_count``), the ``geometry`` ``(block_num, rdma_block_num, warp_per_block)``
     when one is named, combine's ``options`` ``(use_external_inp_buf, call_reset)`` when not the
     defaults."""
+    _check_count_and_options(op, count, options)
+    if geometry is not None:
+        pick_geometry(schedule, leg, num_tokens, *geometry)
+
+
+def _check_count_and_options(op, count: bool, options: Optional[tuple]) -> None:
+    """``call_local_expert_count`` needs ``cfg.expert_counts``; combine's ``options`` must be mori's values."""
     if count and not op.cfg.expert_counts:
         raise EpUnsupportedError("call_local_expert_count=True: the op counts local experts only with "
                                  "EpDispatchCombineConfig.expert_counts=True")
     if options is not None:
         check_combine_options(*options)
-    if geometry is not None:
-        pick_geometry(schedule, leg, num_tokens, *geometry)
 
 
 def refuse_train_options(op, leg: str, geometry: Optional[tuple], count: bool = False,
@@ -94,11 +99,7 @@ def refuse_train_options(op, leg: str, geometry: Optional[tuple], count: bool = 
     (a valid value changes nothing); a named ``geometry`` is refused, since the differentiable legs
     (forward and backward) launch the op's own geometry. Each refusal depends only on the config
     and the call's own values, so ranks calling alike refuse alike."""
-    if count and not op.cfg.expert_counts:
-        raise EpUnsupportedError("call_local_expert_count=True: the op counts local experts only with "
-                                 "EpDispatchCombineConfig.expert_counts=True")
-    if options is not None:
-        check_combine_options(*options)
+    _check_count_and_options(op, count, options)
     if geometry is not None:
         block_num, rdma_block_num, warp_per_block = geometry
         raise EpUnsupportedError(f"{leg}: block_num={block_num}, rdma_block_num={rdma_block_num}, warp_per_block="
