@@ -31,6 +31,11 @@ OUTPUT_REGIONS = ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv"
                   "expert_counts", "exp_x", "exp_scales", "exp_wts", "exp_maps")
 
 
+def experts_per_rank(ws: int) -> int:
+    """EPR, or more where ws * EPR experts would be fewer than the top-k (world size 1)."""
+    return max(EPR, -(-K // ws))
+
+
 def config(rank, ws, backend, fields=None, split=True):
     from mori_jit.ops.ep import EpDispatchCombineConfig
 
@@ -38,7 +43,7 @@ def config(rank, ws, backend, fields=None, split=True):
     if fields.get("expert_capacity") == -1:  # room for every pair a rank can receive
         fields["expert_capacity"] = ws * M * K
     return EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=H, max_num_inp_token_per_rank=M,
-                                   num_experts_per_rank=EPR, num_experts_per_token=K, kernel_backend=backend,
+                                   num_experts_per_rank=experts_per_rank(ws), num_experts_per_token=K, kernel_backend=backend,
                                    split_send_recv=split, **fields)
 
 
@@ -115,16 +120,17 @@ def received(res) -> list[torch.Tensor]:
 def _golden(op, rank, ws, x, w, idx, s, res, y=None, y_w=None, recv_src=None):
     """The golden checks of ``res`` (a dispatch of ``x, w, s, idx``) and of the identity expert's sums."""
     cfg = op.cfg
+    epr = cfg.num_experts_per_rank
     xq, sq = _received(cfg, x, s)
     wg = w if w is not None else torch.zeros(x.shape[0], K, device=x.device)
     src = res.routing.recv_src if recv_src is None else recv_src
-    golden_check(op.group, rank, ws, M, EPR, xq, wg, idx, res.out, res.out_weights, res.out_indices, res.total_recv,
+    golden_check(op.group, rank, ws, M, epr, xq, wg, idx, res.out, res.out_weights, res.out_indices, res.total_recv,
                  src, None, None, scales=sq, out_scales=res.out_scales)
     if cfg.expert_counts:
-        golden_check_experts(op.group, rank, ws, M, EPR, xq, w, idx, res.expert_counts, res.expert, scales=sq,
+        golden_check_experts(op.group, rank, ws, M, epr, xq, w, idx, res.expert_counts, res.expert, scales=sq,
                              out=res.out, recv_src=src)
     if y is not None:
-        golden_check(op.group, rank, ws, M, EPR, identity_expert(xq, cfg.combine_dtype), wg, idx,
+        golden_check(op.group, rank, ws, M, epr, identity_expert(xq, cfg.combine_dtype), wg, idx,
                      identity_expert(res.out, cfg.combine_dtype), None, None, res.total_recv, src, y,
                      y_w if w is not None else None)
 

@@ -457,6 +457,8 @@ def test_combine_outputs_are_fresh_contiguous_and_shaped():
         y, w = fresh.y(n), fresh.w(n)
         assert (y.shape, y.dtype, w.shape, w.dtype) == ((n, 7168), torch.bfloat16, (n, 8), torch.float32)
         assert y.is_contiguous() and w.is_contiguous()
+        # every output takes a dtype view (an empty one too: an engine views outputs as bytes)
+        assert y.view(torch.uint8).shape == (n, 7168 * 2) and w.view(torch.int32).shape == (n, 8)
         if n:
             assert y.stride() == (7168, 1) and w.stride() == (8, 1)
             y.fill_(1), w.fill_(2)  # every element is its own (a zero-stride view would not hold these)

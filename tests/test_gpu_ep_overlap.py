@@ -172,14 +172,17 @@ def test_the_overlap_benchmark_runs_and_writes_its_json(tmp_path):
     import sys
     from pathlib import Path
 
+    # (on sys.path while it runs: its spawned ranks take the parent's path to import it)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     try:
         import bench_overlap
+
+        out = tmp_path / "bench_overlap.json"
+        rc = bench_overlap.main(["--world-sizes", "1", "--tokens", "16", "64", "--hidden", "1024", "--experts", "8",
+                                 "--inter", "512", "--iters", "5", "--out", str(out)])
     finally:
         sys.path.pop(0)
-    out = tmp_path / "bench_overlap.json"
-    assert bench_overlap.main(["--world-sizes", "1", "--tokens", "16", "64", "--hidden", "1024", "--experts", "8",
-                               "--inter", "512", "--iters", "5", "--out", str(out)]) == 0
+    assert rc == 0
     got = json.loads(out.read_text())
     assert [r["tokens"] for r in got["results"]] == [16, 64] and not got["skipped"]
     for r in got["results"]:

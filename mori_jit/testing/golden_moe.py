@@ -137,6 +137,15 @@ def golden_check_experts(group, rank: int, world_size: int, max_tokens_per_rank:
             _fail(rank, "layout.weights must be 0 on padding entries")
     if out is not None:
         rows = layout.recv_row[e_idx, c_idx].long()
-        if bool(((rows < 0) | (rows >= out.shape[0])).any()) or not torch.equal(
-                _bytes2d(out)[rows], got_x) or not torch.equal(recv_src.long()[rows], src):
-            _fail(rank, "layout.recv_row does not point at the receive row of each entry's source token")
+        if bool(((rows < 0) | (rows >= out.shape[0])).any()):
+            i = int(((rows < 0) | (rows >= out.shape[0])).nonzero()[0, 0])
+            _fail(rank, f"layout.recv_row[{int(e_idx[i])}, {int(c_idx[i])}] = {int(rows[i])} is outside the "
+                        f"{out.shape[0]} receive rows")
+        bad_x = (_bytes2d(out)[rows] != got_x).any(dim=1)
+        bad_src = recv_src.long()[rows] != src
+        if bool((bad_x | bad_src).any()):
+            i = int((bad_x | bad_src).nonzero()[0, 0])
+            _fail(rank, f"layout.recv_row does not point at the receive row of each entry's source token: "
+                        f"{int(bad_x.sum())} entries' rows and {int(bad_src.sum())} entries' sources differ, "
+                        f"first entry ({int(e_idx[i])}, {int(c_idx[i])}) -> row {int(rows[i])}, whose source is "
+                        f"{int(recv_src[rows[i]])} (the entry's: {int(src[i])})")

@@ -82,7 +82,10 @@ class CombineOutputs:
         if t is None:
             if len(self._like) >= self._MAX_CACHED:
                 self._like.clear()
-            t = self._like[n] = (self._y_one.expand(n, self._hidden), self._w_one.expand(n, self._k))
+            if n == 0:  # (empty_like keeps an empty tensor's zero strides, which no dtype view accepts)
+                t = self._like[n] = (self._y_one.new_empty(0, self._hidden), self._w_one.new_empty(0, self._k))
+            else:
+                t = self._like[n] = (self._y_one.expand(n, self._hidden), self._w_one.expand(n, self._k))
         return t
 
     def y(self, n: int) -> torch.Tensor:
