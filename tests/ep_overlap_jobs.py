@@ -46,6 +46,7 @@ def misuse_job(rank, ws, backend):
             op.combine_recv()
         op.dispatch_recv()
         _golden(op, rank, ws, x, w, idx, None, res)  # the refused calls changed nothing
+        _sync(op)  # (a dispatch's outputs hold until any rank's next dispatch: no peer's may start first)
         with expect_state_error("dispatch_recv: no dispatch_send is in flight"):
             op.dispatch_recv()  # a second receive
         # the hook receives once; a stale hook never receives a later send
@@ -67,6 +68,7 @@ def misuse_job(rank, ws, backend):
             op.dispatch_recv()
         chook()
         _golden(op, rank, ws, x, w, idx, None, res, y, y_w)
+        _sync(op)
         *outs, routing, dhook = op.dispatch(x, w, None, idx, return_routing=True, return_recv_hook=True)
         assert len(outs) == 5 and callable(dhook)
         dhook()
@@ -171,3 +173,19 @@ def _run_schedule(batches, schedule):
     assert all(r[1].shape == (x.shape[0], x.shape[1]) for r, x in zip(out, (xa, xb)))
     assert all(r[2] is not None and r[2].shape == (x.shape[0], K) for r, x in zip(out, (xa, xb)))
     return out
+
+
+def router_dtype_job(rank, ws, backend):
+    """A bf16 and an fp16 router's weights through the split dispatch: received as the float32
+    weights the unsplit dispatch receives for the same values (the cast is exact), golden."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
+
+    gen = torch.Generator().manual_seed(313 + rank)
+    with EpDispatchCombineOp(config(rank, ws, backend)) as op:
+        for dtype in (torch.bfloat16, torch.float16):
+            x, w, idx = inputs(op, rank, ws, gen)
+            w = w.to(dtype)
+            res = op.dispatch_send(x, w, None, idx, return_result=True)
+            op.dispatch_recv()
+            _golden(op, rank, ws, x, w.float(), idx, None, res)
+            _sync(op)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ep_overlap_checks import split_job
-from ep_overlap_jobs import micro_batches_job, misuse_job
+from ep_overlap_jobs import micro_batches_job, misuse_job, router_dtype_job
 from mori_jit.ops.ep import EpConfigError, EpDispatchCombineConfig
 from mori_jit.testing.distributed import run_distributed
 
@@ -26,6 +26,10 @@ def test_misuse_is_refused_before_anything_is_launched(ws):
 @pytest.mark.parametrize("schedule", ["interleaved", "dbo"])
 def test_two_micro_batches_in_flight_one_op_each(schedule):
     run_distributed(micro_batches_job, 2, "torch", schedule, timeout=240)
+
+
+def test_a_split_dispatch_takes_a_bf16_or_fp16_router():
+    run_distributed(router_dtype_job, 2, "torch", timeout=240)
 
 
 def test_split_send_recv_is_a_checked_config_field():

@@ -21,7 +21,7 @@ import torch
 
 from ep_gpu_checks import identity_expert
 from ep_overlap_checks import _golden, config, inputs, poison_arena, split_job
-from ep_overlap_jobs import micro_batches_job, misuse_job
+from ep_overlap_jobs import micro_batches_job, misuse_job, router_dtype_job
 from mori_jit.testing.cuda_graph import capture
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job
 
@@ -42,6 +42,11 @@ def test_split_legs_match_the_unsplit_legs_and_the_golden_checks(ws):
 @_WS
 def test_misuse_is_refused_before_anything_is_launched(ws):
     run_ep_job(misuse_job, ws, "hip")
+
+
+@_WS
+def test_a_split_dispatch_takes_a_bf16_or_fp16_router(ws):
+    run_ep_job(router_dtype_job, ws, "hip")
 
 
 @_WS

@@ -14,6 +14,15 @@ from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError
 __all__ = ["ROW_ALIGN", "expect_tensor", "expect_latest_routing", "byte_span", "refuse_overlaps"]
 
 
+#: Router dtypes the dispatch accepts for ``weights`` besides float32 (moved as float32).
+ROUTER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def router_weights(weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``weights`` as the kernels take them: a bf16/fp16 router's as float32, others unchanged."""
+    return weights.float() if getattr(weights, "dtype", None) in ROUTER_DTYPES else weights
+
+
 def expect_tensor(name: str, t: Any, dtype, shape: tuple, device, align: int = 1) -> None:
     """Raise TypeError/ValueError naming ``name`` unless ``t`` is a contiguous ``dtype`` tensor of
     ``shape`` (None = any) on ``device`` whose data starts on an ``align``-byte boundary. The

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from mori_jit.ops.ep.memory.arena import SymmArena, keep_until_exit
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.core.agreement import agree_on_arguments, agree_on_step
-from mori_jit.ops.ep.core.arguments import byte_span
+from mori_jit.ops.ep.core.arguments import byte_span, router_weights
 from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
 from mori_jit.ops.ep.core.call_options import check_call_options, pick_geometry, refuse_train_options, resolve_group
 from mori_jit.ops.ep.core.op_mori import MoriSurface
@@ -43,8 +43,6 @@ _BACKENDS = {"hip": "mori_jit.ops.ep.backends.hip.backend:EpDispatchCombineOpHip
              "torch": "mori_jit.ops.ep.backends.torch.backend:EpDispatchCombineOpTorch"}
 #: The differentiable calls (an input requires grad), named by module path like the backends.
 _TRAIN = "mori_jit.ops.ep.train.hooks"
-#: Router weights in a model's dtype: dispatch takes them and moves float32.
-_ROUTER_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _train():
@@ -281,8 +279,7 @@ class EpDispatchCombineOp(SplitLegs, MoriSurface, abc.ABC):
                 and routing is None and torch.is_grad_enabled()):
             refuse_train_options(self, "dispatch", geometry, count=call_local_expert_count)
             return _train().dispatch(self, input, weights, scales, indices, return_routing, return_result)
-        if getattr(weights, "dtype", None) in _ROUTER_DTYPES:
-            weights = weights.float()
+        weights = router_weights(weights)
         if self._agree_per_call:
             k, fresh = self._kernels, routing is None  # (a replay belongs to the dispatch it replays)
             n = self._agree("dispatch" if fresh else "replay", self._dispatches + 1 if fresh else self._routing_no,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
+from mori_jit.ops.ep.core.arguments import router_weights
 from mori_jit.ops.ep.core.call_options import pick_geometry
 from mori_jit.ops.ep.results import EpDispatchResult
 from mori_jit.ops.ep.errors import EpStateError, EpUnsupportedError
@@ -101,6 +102,7 @@ class SplitLegs:
         the stream. Until then every other call on the op raises :class:`EpStateError`. ``input``,
         ``weights``, ``scales`` and ``indices`` must stay alive and unchanged until the receive."""
         k = self._split_kernels("dispatch_send")
+        weights = router_weights(weights)  # (the backend keeps the cast alive until the receive)
         geometry = None if block_num == -1 and rdma_block_num == -1 and warp_per_block == -1 else \
             (block_num, rdma_block_num, warp_per_block)
         if self._agree_per_call:  # (the same step as dispatch's: a send meets a peer's dispatch)
