@@ -25,8 +25,6 @@ from ep_overlap_jobs import micro_batches_job, misuse_job, router_dtype_job
 from mori_jit.testing.cuda_graph import capture
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job
 
-# the hip split is gated until this suite passes (MORI_EP_HIP_SPLIT); its ranks inherit the opt-in
-os.environ.setdefault("MORI_EP_HIP_SPLIT", "1")
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
