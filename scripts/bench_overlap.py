@@ -14,7 +14,10 @@ median device µs of back-to-back graph replays behind a GPU sleep, each replay 
 * ``leg_then_gemm``   the whole leg, then the GEMM;
 * ``split_gemm``      the leg's send, the GEMM, the leg's receive;
 * ``send``/``recv``   each half alone (a send kernel's duration is how long it holds its SMs;
-                      ``send_blocks`` how many it holds).
+                      ``send_blocks`` how many it holds);
+* ``*_eager``         ``leg_then_gemm`` and ``split_gemm`` launched from the host, where the send
+                      runs on the op's side stream beside the GEMM (in a graph it runs on the
+                      capturing stream: ``SendStream`` in ``backends/hip/common/host.py``).
 
 ``target_us`` = max(gemm, leg) and ``within_10pct``: the issue's bar for ``split_gemm``. Every point is
 first gated by the golden check of the split legs on fresh data (exit 1 on failure).
@@ -47,6 +50,22 @@ def _replays_us(graphs, iters: int) -> list[float]:
             ev[i][j + 1].record()
     torch.cuda.synchronize()
     return [statistics.median(e[j].elapsed_time(e[j + 1]) * 1e3 for e in ev) for j in range(len(graphs))]
+
+
+def _eager_us(step, iters: int) -> float:
+    """Median µs of ``step`` run eagerly (launched from the host, the send on the op's side stream),
+    each run between two events on the current stream."""
+    step()  # (warm: the side stream and the allocations exist)
+    torch.cuda.synchronize()
+    dist.barrier()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+    for a, b in ev:
+        a.record()
+        step()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
 
 
 def _graph(step):
@@ -121,6 +140,8 @@ def _point(op, rank, ws, n, args, gen) -> dict:
             times[name] = _replays_us([g], args.iters)[0]
         dist.barrier()
         times["send"], times["recv"] = _replays_us([g_send, g_recv], args.iters)
+        times["leg_then_gemm_eager"] = _eager_us(lambda: (whole(), gemm()), args.iters)
+        times["split_gemm_eager"] = _eager_us(lambda: (send(), gemm(), recv()), args.iters)
         every = [None] * ws
         dist.all_gather_object(every, times)
         target = max(times["gemm"], times["leg"])
@@ -129,6 +150,7 @@ def _point(op, rank, ws, n, args, gen) -> dict:
         send_cfg = var.half(kind, EpPhase.Send)[op._pick(n)] if var is not None else None
         row[leg] = {**{f"{k}_us": v for k, v in times.items()}, "target_us": target,
                     "within_10pct": times["split_gemm"] <= 1.1 * target,
+                    "within_10pct_eager": times["split_gemm_eager"] <= 1.1 * target,
                     "send_blocks": send_cfg.blockNum if send_cfg is not None else None,
                     "recv_blocks": (1 if kind == DISPATCH else send_cfg.blockNum) if send_cfg is not None else None,
                     "per_rank": every}
@@ -137,7 +159,9 @@ def _point(op, rank, ws, n, args, gen) -> dict:
             print(f"ws {ws} tokens {n:5d} {leg:8s}: gemm {t['gemm_us']:7.1f}  {leg} {t['leg_us']:7.1f}  "
                   f"{leg}+gemm {t['leg_then_gemm_us']:7.1f}  send+gemm+recv {t['split_gemm_us']:7.1f}  "
                   f"(target {target:7.1f}: {'ok' if t['within_10pct'] else 'over'})  send {t['send_us']:6.1f} on "
-                  f"{t['send_blocks']} blocks, recv {t['recv_us']:6.1f}", flush=True)
+                  f"{t['send_blocks']} blocks, recv {t['recv_us']:6.1f}; eager: {leg}+gemm "
+                  f"{t['leg_then_gemm_eager_us']:7.1f}  send+gemm+recv {t['split_gemm_eager_us']:7.1f} "
+                  f"({'ok' if t['within_10pct_eager'] else 'over'})", flush=True)
     op.check()
     return row
 

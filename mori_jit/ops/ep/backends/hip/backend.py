@@ -21,7 +21,7 @@ from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARG
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.intranode.errors import WAIT_MESSAGES, decode_error
 from mori_jit.ops.ep.backends.hip.common.grid import ranks_dividing_cus
-from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views
+from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views
 from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
 from mori_jit.ops.ep.backends.hip.intranode.moe_views import ExpertLayouts, ScaleViews, expert_major_combine
 from mori_jit.ops.ep.quant import ue8m0_dtype
@@ -169,6 +169,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
                                for c in var.half(kind, ph)]
                   for kind in (DISPATCH, COMBINE) for ph in (EpPhase.Send, EpPhase.Recv)}
 
+        stream = SendStream(dev)  # (both legs' sends: one leg is in flight at a time)
+
         def dispatch_send(v, x, weights, scales, indices, routing):
             replay = int(routing is not None)
             dargs.inpTok = x.data_ptr()
@@ -177,10 +179,11 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
                 dargs.inpIndices = indices.data_ptr()
             dargs.numTokens = x.shape[0]
             dargs.inpScales = scales.data_ptr() if scales is not None else 0
-            launch(halves[DISPATCH, EpPhase.Send], v, replay)
+            stream.send(lambda: launch(halves[DISPATCH, EpPhase.Send], v, replay), (x, weights, scales, indices))
             out_s = scale_views.of(scales)
 
             def receive():
+                stream.join()
                 launch(halves[DISPATCH, EpPhase.Recv], v, replay)
                 lay_out(v, weights, replay)
 
@@ -193,7 +196,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         combine = make_combine(cargs, comb_launch, new_outputs, given)
         combine_send = make_combine_send(cargs, halves[COMBINE, EpPhase.Send], halves[COMBINE, EpPhase.Recv],
-                                         new_outputs, given)
+                                         new_outputs, given, stream)
 
         expert_combine = expert_major_combine(cfg, var, plans, base, dev)  # (None without the layout)
 

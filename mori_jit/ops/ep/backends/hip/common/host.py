@@ -13,7 +13,7 @@ import torch.distributed as dist
 from mori_jit.ops.ep import knobs
 
 __all__ = ["HipRouting", "ReceiveViews", "receive_views", "_weights_ptr", "CombineOutputs", "ErrorWords", "base_args", "make_combine", "make_combine_send",
-           "InputBuffer", "collective_reset"]
+           "SendStream", "InputBuffer", "collective_reset"]
 
 
 class HipRouting(NamedTuple):
@@ -134,16 +134,66 @@ def make_combine(cargs, launches: Sequence[Callable[[], None]], new_outputs: Com
     return combine
 
 
+class SendStream:
+    """Where a split leg's send kernel runs, so that the caller's work between the send and the
+    receive runs beside it (docs/design.md §6, "Send and receive").
+
+    Eagerly, the send runs on the op's side stream, after everything queued on the caller's stream
+    (its inputs are ready), and the receive makes the caller's stream wait for it: a grouped GEMM
+    queued in between runs concurrently with the send's copies, on the SMs the send does not hold.
+    While a graph is being captured the send runs on the capturing stream: a stream forked in a
+    capture must rejoin it in the same capture, and a send and its receive may be captured in two
+    graphs (the graph then hides the waiting for the peers, not the send's own copies)."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._side: Optional[torch.cuda.Stream] = None  # (made on the first eager send)
+        self._pending = False  # a send ran on the side stream and no receive has joined it yet
+
+    def send(self, launch: Callable[[], None], inputs: Sequence[Optional[torch.Tensor]]) -> None:
+        """Run ``launch`` (the send kernel) as described above; ``inputs``: the tensors it reads,
+        kept from the caching allocator's reuse until the side stream is done with them."""
+        if torch.cuda.is_current_stream_capturing():
+            launch()
+            return
+        cur = torch.cuda.current_stream(self._device)
+        side = self._side
+        if side is None:
+            side = self._side = torch.cuda.Stream(self._device)
+        side.wait_stream(cur)
+        for t in inputs:
+            if t is not None:
+                t.record_stream(side)
+        torch.cuda.set_stream(side)
+        try:
+            launch()
+        finally:
+            torch.cuda.set_stream(cur)
+        self._pending = True
+
+    def join(self) -> None:
+        """Before a receive: the caller's stream waits for the side stream's send."""
+        if self._pending:
+            self._pending = False
+            torch.cuda.current_stream(self._device).wait_stream(self._side)
+
+
 def make_combine_send(cargs, sends: Sequence[Callable[[], None]], receives: Sequence[Callable[[], None]],
-                      new_outputs: CombineOutputs, given: int):
-    """The KernelSet's ``combine_send``: :func:`make_combine`'s, launching bucket v's send kernel;
-    returns ``((y, y_w), receive)``, the receive kernel of bucket v on the same ``cargs`` (which the
-    op leaves alone until the receive: no other call runs while a leg is in flight)."""
+                      new_outputs: CombineOutputs, given: int, stream: SendStream):
+    """The KernelSet's ``combine_send``: :func:`make_combine`'s, launching bucket v's send kernel
+    (on ``stream``'s terms); returns ``((y, y_w), receive)``, the receive kernel of bucket v on the
+    same ``cargs`` (which the op leaves alone until the receive: no other call runs while a leg is
+    in flight)."""
 
     def combine_send(v, inp, weights, routing, y, y_w):
         y, y_w = _fill_combine(cargs, new_outputs, given, inp, weights, routing, y, y_w)
-        sends[v]()
-        return (y, y_w), receives[v]
+        stream.send(sends[v], (inp, weights))
+
+        def receive():
+            stream.join()
+            receives[v]()
+
+        return (y, y_w), receive
 
     return combine_send
 
