@@ -2,7 +2,8 @@
 ``split_send_recv`` for every internode family; each bucket's legs add a send and a receive kernel
 (``EpNetCfg.phase``: its own entry name and key; the whole leg's default renders as before) in the
 variant walk the op and ``mori-jit precompile`` share; the arena is the unsplit op's; nvcc builds
-and device-links every half where NVSHMEM is installed. The GPU runs are in
+and device-links every half where NVSHMEM is installed, and its PTX shows that a ``v2_ll`` send
+kernel keeps only the waits before its first store. The GPU runs are in
 ``tests/test_gpu_ep_internode.py``."""
 from __future__ import annotations
 
@@ -116,3 +117,43 @@ def test_real_nvcc_builds_and_device_links_every_half(family):
             assert symbols.get(spec.entry_name(c)) == STT_FUNC, spec.entry_name(c)
             built += 1
     assert built == 4  # (one geometry: each leg's send and receive)
+
+
+#: an acquire load in nvcc's PTX of an internode kernel: the epochs' reads and each wait's first
+#: load and loop
+_ACQUIRE = r"ld\.acquire\.sys\.global\.u64"
+_EPOCH_READS = 5  # (ReadEpochs: one acquire load per signal row it reads)
+
+
+def _ptx(tc, spec, c, tmp_path) -> str:
+    import subprocess
+    from mori_jit.jit.devlib import link_inputs
+    from mori_jit.jit.paths import kernels_dir
+    src, out = tmp_path / f"{spec.entry_name(c)}.cu", tmp_path / f"{spec.entry_name(c)}.ptx"
+    src.write_text(spec.render_source(c, tc))
+    dirs = [kernels_dir(), *link_inputs(spec.device_libraries).include_dirs]
+    cmd = [("--ptx" if a == "--cubin" else a) for a in tc.command(src, out, dirs, relocatable=True)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=tc.env(), timeout=600)
+    assert p.returncode == 0, p.stderr
+    return out.read_text()
+
+
+def test_v2_ll_send_kernels_wait_only_before_their_first_store(tmp_path):
+    """nvcc's PTX of v2_ll's halves against the whole legs': the dispatch send keeps only its two
+    waits on the previous round (each a first load and a loop), the combine send none; the
+    receive kernels hold the rest. Each kernel also reads the five epochs."""
+    import re
+    tc = toolchain_or_skip("sm_90a")
+    try:
+        NVSHMEM.locate()
+    except DeviceLibraryError as e:
+        pytest.skip(f"NVSHMEM absent: {e}")
+    var = net_variants(_cfg("v2_ll", dispatch_block_num=8, combine_block_num=8), "sm_90a", 132)
+
+    def waits(spec, c):
+        return len(re.findall(_ACQUIRE, _ptx(tc, spec, c, tmp_path))) - _EPOCH_READS
+
+    for leg, legs, send_waits in ((DISPATCH, var.dispatch, 2), (COMBINE, var.combine, 0)):
+        spec = net_spec("v2_ll", leg)
+        w, s, r = (waits(spec, c[0]) for c in (legs, var.half(leg, EpPhase.Send), var.half(leg, EpPhase.Recv)))
+        assert s == 2 * send_waits and s + r == w and r > 0, (leg, w, s, r)
