@@ -52,13 +52,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def poison_arena(op) -> None:
-    """The hip backend: every output region to 0xFF bytes (NaN, -1), once no peer is mid-write."""
+    """The hip backend: every output region its arena has (the internode arena has fewer) to 0xFF
+    bytes (NaN, -1), once no peer is mid-write."""
     if op.arena is None:
         return
     torch.cuda.synchronize()
     torch.distributed.barrier()
     a = op.arena
-    for name in OUTPUT_REGIONS:
+    for name in (r for r in OUTPUT_REGIONS if r in a.offsets):
         a.tensor[a.offsets[name]:a.offsets[name] + a.sizes[name]].fill_(0xFF)
     torch.cuda.synchronize()
     torch.distributed.barrier()
@@ -178,15 +179,16 @@ def split_call(op, rank, ws, gen, call, n, drop, to, with_w):
         _check_expert_major_combine(op, r, _values(*_received(cfg, x2, s2), bool(cfg.dispatch_quant_type)), w2, idx, rank, ws)
 
 
-def split_job(rank, ws, backend, names=None):
-    """Every config of :data:`CONFIGS` (or those ``names``), every call of :func:`_calls`."""
+def split_job(rank, ws, backend, names=None, layout=None):
+    """Every config of :data:`CONFIGS` (or those ``names``), every call of :func:`_calls`;
+    ``layout``: fields every op takes too (internode: ``gpu_per_node``, ``internode_kernel``)."""
     from mori_jit.ops.ep import EpDispatchCombineOp
 
     gen = torch.Generator().manual_seed(4242 + 31 * rank + ws)
     for name, fields in CONFIGS:
         if names is not None and name not in names:
             continue
-        with EpDispatchCombineOp(config(rank, ws, backend, fields)) as op:
+        with EpDispatchCombineOp(config(rank, ws, backend, {**fields, **(layout or {})})) as op:
             for call, (n, drop, to, with_w) in enumerate(_calls(rank, ws)):
                 try:
                     split_call(op, rank, ws, gen, call, n, drop, to, with_w)

@@ -17,14 +17,16 @@ def _sync(op) -> None:
     torch.distributed.barrier()
 
 
-def misuse_job(rank, ws, backend):
+def misuse_job(rank, ws, backend, layout=None, moe=True):
     """Every out-of-step call raises EpStateError naming the in-flight leg (or its absence) and
     what may follow, launches nothing, and leaves the leg in flight intact: its receive then
-    passes the golden check."""
+    passes the golden check. ``layout``: fields every op takes (internode: ``gpu_per_node``,
+    ``internode_kernel``); ``moe``: the op has the expert-major layout (and its combine is refused too)."""
     from mori_jit.ops.ep import EpDispatchCombineOp, EpUnsupportedError
 
     gen = torch.Generator().manual_seed(99 + rank)
-    fields = dict(expert_counts=True, expert_capacity=-1)
+    layout = layout or {}
+    fields = dict(layout, **(dict(expert_counts=True, expert_capacity=-1) if moe else {}))
     with EpDispatchCombineOp(config(rank, ws, backend, fields)) as op:
         x, w, idx = inputs(op, rank, ws, gen)
         with expect_state_error(r"dispatch_recv: no dispatch_send is in flight on this op; a receive follows its send"):
@@ -37,7 +39,8 @@ def misuse_job(rank, ws, backend):
                      lambda: op.dispatch(x, w, None, idx, return_recv_hook=True),
                      lambda: op.combine(res.out, weights=res.out_weights, routing=res.routing),
                      lambda: op.combine_send(res.out, weights=res.out_weights, routing=res.routing),
-                     lambda: op.combine_expert_major(res.expert.x.to(op.cfg.combine_dtype), routing=res.routing)):
+                     *([lambda: op.combine_expert_major(res.expert.x.to(op.cfg.combine_dtype), routing=res.routing)]
+                       if moe else [])):
             with expect_state_error(in_flight + r" \(or the hook that send returned\); its outputs and routing are not "
                                     r"valid before that receive"):
                 call()
@@ -83,7 +86,7 @@ def misuse_job(rank, ws, backend):
         res = op.dispatch(x, w, None, idx, return_result=True)
         _golden(op, rank, ws, x, w, idx, None, res)
         op.check()
-    with EpDispatchCombineOp(config(rank, ws, backend, split=False)) as plain:
+    with EpDispatchCombineOp(config(rank, ws, backend, layout, split=False)) as plain:
         x, w, idx = inputs(plain, rank, ws, gen)
         for call in (lambda: plain.dispatch_send(x, w, None, idx),
                      lambda: plain.dispatch(x, w, None, idx, return_recv_hook=True),

@@ -81,9 +81,7 @@ def test_the_phase_is_chosen_by_the_call_never_by_an_override(monkeypatch):
         make_ep_cfg(DISPATCH, "sm_90a", {"phase": "Both"})
 
 
-def test_the_internode_kernels_refuse_the_split():
-    gaps = hip_gaps(_cfg(world_size=8, gpu_per_node=4, split_send_recv=True), "sm_90a")
-    assert any("split_send_recv=True on the internode kernels" in g for g in gaps), gaps
+def test_the_gate_takes_the_split():  # (internode: tests/test_ep_net_split_cpu.py)
     assert hip_gaps(_cfg(split_send_recv=True), "sm_90a") == []
 
 

@@ -6,7 +6,9 @@ the same node by plain stores, so with several PEs on one GPU every network put 
 the engine's API (carried by its P2P transport, not RDMA). Ranks that share a GPU run under CUDA MPS
 with each rank's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` set (``mori_jit/testing/gpu_world_shmem.py``).
 Every check is the golden check (``mori_jit/testing/golden.py``) on fresh random data with the
-outputs poisoned first, most also against the ``torch`` backend.
+outputs poisoned first, most also against the ``torch`` backend. The split legs (send and receive
+kernels) run the intranode split's jobs (``ep_overlap_checks``, ``ep_overlap_jobs``,
+``ep_overlap_gpu_jobs``) on the internode layouts.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from ep_gpu_checks import combine_short_and_expect_reports, dispatch_combine_ste
 from ep_gpu_checks import identity_expert as _expert
 from ep_gpu_checks import parity_with_torch as _parity
 from ep_gpu_checks import BF16, DTYPE_PAIRS
+from ep_overlap_checks import split_job
+from ep_overlap_gpu_jobs import graph_job, send_alone_job
+from ep_overlap_jobs import misuse_job
 from mori_jit.testing.gpu_world import WORLD_SIZES
 from mori_jit.testing.gpu_world_shmem import run_shmem_job
 
@@ -33,6 +38,12 @@ LAYOUTS = [(ws, g) for ws, g in ((4, 2), (4, 1), (8, 4), (8, 2), (8, 1)) if ws i
 _POISONED = ("disp_out", "out_wts", "out_idx", "recv_to_src", "total_recv", "comb_recv", "comb_recv_wts", "recv_relay",
              "comb_relay", "comb_relay_wts")
 FAMILIES = ("v2_ll", "v2")
+#: (family, world_size, gpu_per_node) of the split legs' checks: v2 with several ranks per node, so
+#: that its receive kernels forward
+SPLIT_CASES = [(f, ws, g) for f, ws, g in (("v2_ll", 4, 1), ("v2", 4, 2), ("v2_ll", 8, 2), ("v2", 8, 4))
+               if ws in WORLD_SIZES]
+#: the split checks' dtype configs (ep_overlap_checks.CONFIGS; no MoE options internode)
+SPLIT_CONFIGS = ("bf16", "fp32", "fp8_bf16")
 
 
 def _dev() -> torch.device:
@@ -221,3 +232,25 @@ def test_internode_family_golden_rounds_graph_timeout_short_input(ws, gpn, famil
 @_LAYOUT
 def test_internode_auto_switches_family_between_calls(ws, gpn):
     run_shmem_job(_auto_job, ws, gpn)
+
+
+def _split_family_job(rank, ws, gpn, family):
+    """The split legs of one family in one world: every split call against the same op's unsplit
+    legs and the golden checks, each misuse refused, each half captured in its own graph and a whole
+    step in one, and a rank's send kernels ending without its peers' rows."""
+    layout = dict(gpu_per_node=gpn, internode_kernel=family)
+    checks = (("split against unsplit, golden", lambda: split_job(rank, ws, "hip", SPLIT_CONFIGS, layout)),
+              ("misuse", lambda: misuse_job(rank, ws, "hip", layout, moe=False)),
+              ("graph capture of each half and of a step", lambda: graph_job(rank, ws, [layout])),
+              ("a send alone ends, its receive reports", lambda: send_alone_job(rank, ws, [layout])))
+    for name, check in checks:
+        t0 = time.perf_counter()
+        check()
+        torch.distributed.barrier()
+        if rank == 0:
+            print(f"[ws{ws}-gpn{gpn} {family} split] {name}: ok ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+@pytest.mark.parametrize("family, ws, gpn", SPLIT_CASES, ids=[f"{f}-ws{ws}-gpn{g}" for f, ws, g in SPLIT_CASES])
+def test_internode_split_legs_golden_misuse_graph_send_alone(family, ws, gpn):
+    run_shmem_job(_split_family_job, ws, gpn, family, timeout=1200)

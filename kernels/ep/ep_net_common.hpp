@@ -88,8 +88,9 @@ MORI_DEVICE uint64_t OwnCount(const EpNetArgs& a, NetSignal row) {
 // The epochs a leg waits against: this rank's own counts of the earlier legs, read by each block
 // before it signals anything. Earlier kernels have ended, so their counts are complete; a row this
 // launch signals holds, until every block has signalled, its shares of less than one unit, which
-// the division drops (relayFree is a count of whole signals, and this launch adds to it only after
-// every block's send phase, so after every block's read).
+// the division drops (relayFree is a count of whole signals, and a whole v2 dispatch adds to it only
+// after every block's send phase, so after every block's read; a v2 dispatch receive kernel, whose
+// forward adds to it, never uses it).
 struct NetEpochs {
   uint64_t disp;  // dispatches so far (both families)
   uint64_t comb;  // combines so far (both families)
@@ -102,6 +103,21 @@ MORI_DEVICE NetEpochs ReadEpochs(const EpNetArgs& a) {
   return {OwnCount<kCfg>(a, kSigDispDone) / kDoneUnit, OwnCount<kCfg>(a, kSigCombDone) / kDoneUnit,
           OwnCount<kCfg>(a, kSigRelayFree), OwnCount<kCfg>(a, kSigFwdDone) / kDoneUnit,
           OwnCount<kCfg>(a, kSigCombFwdDone) / kDoneUnit};
+}
+
+// The epochs of a leg whose send signals `done` (kSigDispDone or kSigCombDone). A receive kernel of
+// the split legs (kCfg.phase Recv) runs after its send kernel, which has ended (stream order) and so
+// has added its whole unit to this rank's own count of `done`: its leg's epoch is one less than the
+// count says, the one its send read. The send's other rows are untouched until the receive
+// signals them, so both halves wait against the epochs of the whole leg.
+template <EpNetCfg kCfg>
+MORI_DEVICE NetEpochs LegEpochs(const EpNetArgs& a, NetSignal done) {
+  NetEpochs e = ReadEpochs<kCfg>(a);
+  if constexpr (kCfg.phase == EpPhase::Recv) {
+    if (done == kSigDispDone) e.disp -= 1;
+    else e.comb -= 1;
+  }
+  return e;
 }
 
 // This block's share of a done unit (ep_report.hpp).

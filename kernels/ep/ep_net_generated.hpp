@@ -7,6 +7,7 @@
 namespace mori::epnet {
 
 enum class EpDType : int { Bf16 = 0, Fp32 = 1, Fp8 = 2, Fp4x2 = 3 };
+enum class EpPhase : int { Whole = 0, Send = 1, Recv = 2 };
 // Which spin-wait of the internode kernels timed out (the high bits of the error detail word).
 enum NetWaitId : int { kNetWaitPeerCombine = 11, kNetWaitPeerSlots = 12, kNetWaitDispatchDone = 13, kNetWaitCombineDone = 14, kNetWaitRelayFree = 15, kNetWaitForwardDone = 16, kNetWaitCombineForwardDone = 17 };
 // Rows of the `signals` region: one u64 word per writing rank in each row.
@@ -28,6 +29,7 @@ struct EpNetCfg {
   int blockNum = 32;
   int warpPerBlock = 8;
   int waveSize = 32;
+  EpPhase phase = EpPhase::Whole;
 };
 
 // bytes per payload element

@@ -21,6 +21,11 @@
 // leg's blocks must be resident together: the grid never exceeds the rank's share of the SMs
 // (grid_share.py), as for the intranode kernels. Epochs are the done counts themselves (kept on the
 // device: a captured graph stays right on every replay), read at each block's start (NetEpochs).
+// The split legs (kCfg.phase) run each phase as its own kernel: the send kernel ends after its
+// done signal, waiting for nothing but the dispatch's two waits before its first store (the peers'
+// previous combine send and dispatch receive); the receive kernel (the dispatch's: one block) waits
+// for its own rank's send through the signal the ended send kernel raised, and reads its epochs
+// through LegEpochs.
 #pragma once
 #include "ep/ep_net_common.hpp"
 
@@ -89,9 +94,11 @@ MORI_DEVICE void LlDispatchRecv(const EpNetArgs& a, const NetEpochs& e) {
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetLlDispatch(const EpNetArgs& a) {
-  const NetEpochs e = ReadEpochs<kCfg>(a);
-  LlDispatchSend<kCfg, T>(a, e);
-  if (blockIdx.x == 0) LlDispatchRecv<kCfg, T>(a, e);
+  const NetEpochs e = LegEpochs<kCfg>(a, kSigDispDone);
+  if constexpr (kCfg.phase != EpPhase::Recv) LlDispatchSend<kCfg, T>(a, e);
+  if constexpr (kCfg.phase != EpPhase::Send) {
+    if (blockIdx.x == 0) LlDispatchRecv<kCfg, T>(a, e);
+  }
 }
 
 template <EpNetCfg kCfg, typename T>
@@ -130,9 +137,9 @@ MORI_DEVICE void LlCombineRecv(const EpNetArgs& a, const NetEpochs& e) {
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetLlCombine(const EpNetArgs& a) {
-  const NetEpochs e = ReadEpochs<kCfg>(a);
-  LlCombineSend<kCfg, T>(a, e);
-  LlCombineRecv<kCfg, T>(a, e);
+  const NetEpochs e = LegEpochs<kCfg>(a, kSigCombDone);
+  if constexpr (kCfg.phase != EpPhase::Recv) LlCombineSend<kCfg, T>(a, e);
+  if constexpr (kCfg.phase != EpPhase::Send) LlCombineRecv<kCfg, T>(a, e);
 }
 
 }  // namespace mori::epnet

@@ -26,7 +26,9 @@
 //   combine, receive  waits for its forwarders on every node and sums each token's partial sums from
 //                     its distinct destination nodes in fp32.
 // Epochs are the done counts, on the device, and a leg's blocks are resident together (see
-// ep_net_ll.hpp). The rows both families use
+// ep_net_ll.hpp). The split legs (kCfg.phase): the send kernel is the send phase; the receive
+// kernel forwards and then receives, on the whole grid, so a rank's rows cross their second hop
+// when the ranks of its node (dispatch) or its forwarders (combine) run their receive kernels. The rows both families use
 // (dispatch done, slots free, combine done) are signalled to every rank by both, so each rank's own
 // count is every rank's count and an `auto` op may switch family between calls (every rank of one
 // call on the same side of the threshold); the rows of v2 alone count v2's calls.
@@ -180,10 +182,12 @@ MORI_DEVICE void V2DispatchRecv(const EpNetArgs& a, const NetEpochs& e) {
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetV2Dispatch(const EpNetArgs& a) {
-  const NetEpochs e = ReadEpochs<kCfg>(a);
-  V2DispatchSend<kCfg, T>(a, e);
-  V2DispatchForward<kCfg, T>(a, e);
-  if (blockIdx.x == 0) V2DispatchRecv<kCfg, T>(a, e);
+  const NetEpochs e = LegEpochs<kCfg>(a, kSigDispDone);
+  if constexpr (kCfg.phase != EpPhase::Recv) V2DispatchSend<kCfg, T>(a, e);
+  if constexpr (kCfg.phase != EpPhase::Send) {
+    V2DispatchForward<kCfg, T>(a, e);
+    if (blockIdx.x == 0) V2DispatchRecv<kCfg, T>(a, e);
+  }
 }
 
 template <EpNetCfg kCfg, typename T>
@@ -275,10 +279,12 @@ MORI_DEVICE void V2CombineRecv(const EpNetArgs& a, const NetEpochs& e) {
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void NetV2Combine(const EpNetArgs& a) {
-  const NetEpochs e = ReadEpochs<kCfg>(a);
-  V2CombineSend<kCfg, T>(a, e);
-  V2CombineForward<kCfg, T>(a, e);
-  V2CombineRecv<kCfg, T>(a, e);
+  const NetEpochs e = LegEpochs<kCfg>(a, kSigCombDone);
+  if constexpr (kCfg.phase != EpPhase::Recv) V2CombineSend<kCfg, T>(a, e);
+  if constexpr (kCfg.phase != EpPhase::Send) {
+    V2CombineForward<kCfg, T>(a, e);
+    V2CombineRecv<kCfg, T>(a, e);
+  }
 }
 
 }  // namespace mori::epnet

@@ -21,7 +21,7 @@ from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARG
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.intranode.errors import WAIT_MESSAGES, decode_error
 from mori_jit.ops.ep.backends.hip.common.grid import ranks_dividing_cus
-from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views
+from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views, split_launches
 from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
 from mori_jit.ops.ep.backends.hip.intranode.moe_views import ExpertLayouts, ScaleViews, expert_major_combine
 from mori_jit.ops.ep.quant import ue8m0_dtype
@@ -165,9 +165,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         # the split legs: each bucket's send and receive kernels, on the legs' own args structs
         # (the op runs nothing else on them between a send and its receive)
-        halves = {(kind, ph): [plans[(kind, c)].bind_struct(dargs if kind == DISPATCH else cargs)
-                               for c in var.half(kind, ph)]
-                  for kind in (DISPATCH, COMBINE) for ph in (EpPhase.Send, EpPhase.Recv)}
+        halves = split_launches(var.half, lambda kind, v, c: plans[(kind, c)].bind_struct(
+            dargs if kind == DISPATCH else cargs))
 
         stream = SendStream(dev)  # (both legs' sends: one leg is in flight at a time)
 

@@ -40,9 +40,6 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
         moe = cfg.moe_options_in_use()
         if moe:
             missing.append(f"the MoE-layer options on the internode kernels ({', '.join(moe)}): intranode only")
-        if cfg.split_send_recv:
-            missing.append("split_send_recv=True on the internode kernels (dispatch_send/dispatch_recv, "
-                           "combine_send/combine_recv): intranode only")
     elif cfg.world_size > EP_MAX_PEERS:
         missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS} (intranode)")
     return missing

@@ -16,6 +16,7 @@ from mori_jit.jit.toolchain import has_bulk_copy, vendor_of, wave_size_for_arch
 from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, EP_MAX_BLOCK_THREADS, EpCfg, EpDType, EpIsValid, EpPhase, EpRangeTok, make_ep_cfg, region_bytes
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.gaps import hip_gaps
+from mori_jit.ops.ep.backends.hip.common.cfg import SPLIT_PHASES, halves
 from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus
 from mori_jit.ops.ep.backends.hip.common.request import GridShare, ep_dtype, kernel_fields
 from mori_jit.ops.ep.core.schedule import Schedule
@@ -54,20 +55,17 @@ class EpVariants:
     def half(self, kind: str, phase: EpPhase) -> tuple[EpCfg, ...]:
         """Per bucket, the ``kind`` leg's EpCfg for one half of the split legs (the whole leg's
         EpCfg, but for its phase); empty without them."""
-        if not self.split:
-            return ()
-        return tuple(dataclasses.replace(c, phase=phase) for c in (self.dispatch if kind == DISPATCH else self.combine))
+        return halves(self.dispatch if kind == DISPATCH else self.combine, phase, self.split)
 
     def all_cfgs(self) -> list[tuple[str, EpCfg]]:
         """Distinct (kind, cfg) pairs — the set of binaries to compile (a dispatch with the
         expert-major layout brings its layout kernel, the combine its local sum, and the split legs
         each leg's send and receive kernels)."""
-        halves = [(kind, c) for kind in (DISPATCH, COMBINE) for phase in (EpPhase.Send, EpPhase.Recv)
-                  for c in self.half(kind, phase)]
+        split = [(kind, c) for kind in (DISPATCH, COMBINE) for phase in SPLIT_PHASES for c in self.half(kind, phase)]
         out = dict.fromkeys([(DISPATCH, c) for c in self.dispatch] + [(COMBINE, c) for c in self.combine]
                             + [(LAYOUT, c) for c in self.dispatch if c.expertCapacity]
                             + [(EXPERT_SUM, c) for c in self.combine if self.expert_combine]
-                            + [(COMBINE, c) for c in self.expert_combine] + halves)
+                            + [(COMBINE, c) for c in self.expert_combine] + split)
         return list(out)
 
     def region_bytes(self) -> dict[str, int]:

@@ -3,21 +3,27 @@ alike: the payload arithmetic, how validity rules combine and report, and the fi
 struct starts with. Each config names its own derived values (``Ep*``, ``Net*``) from these."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from mori_jit.jit.args import i32, i64, ptr
 from mori_jit.jit.expr import C, where
 from mori_jit.jit.fields import cfg_fields
 
-from mori_jit.ops.ep.backends.hip.common.consts import EpDType
+from mori_jit.ops.ep.backends.hip.common.consts import EpDType, EpPhase
 
-__all__ = ["DISPATCH", "COMBINE", "LAYOUT", "EXPERT_SUM", "ELEM_TYPES", "ELEM_BYTES", "MAX_RECV", "SUMMABLE", "all_of", "rule_problems", "leg_io_args"]
+__all__ = ["DISPATCH", "COMBINE", "LAYOUT", "EXPERT_SUM", "ELEM_TYPES", "ELEM_BYTES", "MAX_RECV", "SUMMABLE", "all_of",
+           "rule_problems", "leg_io_args", "SPLIT_PHASES", "phase_suffix", "halves"]
 
 #: The legs of the op, each a kernel.
 DISPATCH, COMBINE = "dispatch", "combine"
 #: The expert-major layout kernel (launched after a dispatch, on the dispatch's EpCfg) and the
 #: expert-major combine's local sum (launched before a float32 combine, on the combine's EpCfg).
 LAYOUT, EXPERT_SUM = "layout", "expert_sum"
+
+#: The halves of a split leg (docs/design.md §8, "Send and receive kernels"), in launch order; each
+#: is the leg's Cfg with its ``phase`` (``EpPhase.Whole``, the default, is the unsplit leg).
+SPLIT_PHASES = (EpPhase.Send, EpPhase.Recv)
 
 #: Device element type of each dtype tag (expanded at render time; the Cfg header has only the tag).
 ELEM_TYPES = {EpDType.Bf16: "mori::bf16_t", EpDType.Fp32: "float", EpDType.Fp8: "mori::fp8_t",
@@ -59,3 +65,15 @@ def leg_io_args(indices_doc: str, rank_doc: str) -> list:
         i32("rank", doc=rank_doc),
         i64("timeoutNs", doc="spin-wait bound in ns"),
     ]
+
+
+def phase_suffix(phase: EpPhase) -> str:
+    """The entry-name mark of a kernel's phase, for both families: none for the whole leg (its names
+    stay what they were before the split existed), ``_send`` or ``_recv`` for a half."""
+    return "" if phase == EpPhase.Whole else f"_{phase.name.lower()}"
+
+
+def halves(cfgs: Sequence, phase: EpPhase, split: bool) -> tuple:
+    """Per bucket, a leg's Cfg (``cfgs``: intranode EpCfg or internode EpNetCfg) for one half of the
+    split legs: the whole leg's Cfg with ``phase``; empty when the op has no split legs."""
+    return tuple(dataclasses.replace(c, phase=phase) for c in cfgs) if split else ()

@@ -1,7 +1,7 @@
 """What the ``hip`` backend's intranode and internode kernel sets share on the host: the routing
 combine takes, the views of the received rows, the weights pointer, fresh combine outputs, the
 host-mapped error words, the args every launch starts from, the combine call, the combine input
-buffer and the collective reset."""
+buffer, the split legs' launches and the collective reset."""
 from __future__ import annotations
 
 import ctypes
@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from mori_jit.ops.ep import knobs
+from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH, SPLIT_PHASES
 
 __all__ = ["HipRouting", "ReceiveViews", "receive_views", "_weights_ptr", "CombineOutputs", "ErrorWords", "base_args", "make_combine", "make_combine_send",
-           "SendStream", "InputBuffer", "collective_reset"]
+           "SendStream", "split_launches", "InputBuffer", "collective_reset"]
 
 
 class HipRouting(NamedTuple):
@@ -196,6 +197,15 @@ def make_combine_send(cargs, sends: Sequence[Callable[[], None]], receives: Sequ
         return (y, y_w), receive
 
     return combine_send
+
+
+def split_launches(half: Callable, bind: Callable) -> dict:
+    """Each half's launches of the split legs, by bucket: ``{(leg, phase): [launch of bucket v]}``
+    for both legs and :data:`~.cfg.SPLIT_PHASES`; ``half(leg, phase)`` is the per-bucket Cfg of that
+    half (the variants' ``half``; empty without the split) and ``bind(leg, v, cfg)`` its bound
+    launch (on the leg's args struct, which the op leaves alone from a send until its receive)."""
+    return {(leg, ph): [bind(leg, v, c) for v, c in enumerate(half(leg, ph))]
+            for leg in (DISPATCH, COMBINE) for ph in SPLIT_PHASES}
 
 
 def _fill_combine(cargs, new_outputs: CombineOutputs, given: int, inp, weights, routing, y, y_w):

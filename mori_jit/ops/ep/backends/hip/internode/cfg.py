@@ -8,7 +8,8 @@ and the rank are runtime arguments, never Cfg fields (docs/design.md §11).
 
 Each family has one kernel per leg (:data:`LEGS`; its own spec, entry name and key), launched
 with one host call: ``v2_ll`` sends then receives, ``v2`` sends, forwards inside the node, then
-receives, as phases of that one kernel. A phase waits for the earlier phases of its own rank's
+receives, as phases of that one kernel. The split legs (``phase``, as the intranode EpCfg's) cut
+it in two: a send kernel (the send phase) and a receive kernel (``v2``: forward and receive). A phase waits for the earlier phases of its own rank's
 blocks through the same signals it waits on for its peers, so a leg's grid must be resident as a
 whole: it never exceeds the rank's share of the SMs (``common.grid``), as for the intranode kernels.
 """
@@ -26,7 +27,7 @@ from mori_jit.jit.toolchain import vendor_of, wave_size_for_arch
 from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, leg_io_args, rule_problems
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
-from mori_jit.ops.ep.backends.hip.common.consts import EpDType, ErrCode, FlagUnit
+from mori_jit.ops.ep.backends.hip.common.consts import EpDType, EpPhase, ErrCode, FlagUnit
 
 __all__ = ["EpNetCfg", "NetWaitId", "NetSignal", "EP_NET_ARGS", "EP_NET_REGIONS", "EP_NET_MAX_RANKS", "LEGS",
            "TRANSPORTS", "make_net_cfg", "net_region_bytes", "net_cfg_problems",
@@ -78,6 +79,8 @@ class EpNetCfg:
     blockNum: int = 32
     warpPerBlock: int = 8
     waveSize: int = 32
+    # the whole leg, or its send or its receive kernel (the split legs; a v2 receive also forwards)
+    phase: EpPhase = EpPhase.Whole
 
     def __post_init__(self):
         if not NetIsValid(self):
@@ -158,7 +161,7 @@ EP_NET_ARGS = ArgsSchema("EpNetArgs", [
 ])
 
 register_header(GeneratedHeader(
-    "ep/ep_net_generated.hpp", "mori::epnet", enums=[EpDType], consts=[NetWaitId, NetSignal, ErrCode, FlagUnit],
+    "ep/ep_net_generated.hpp", "mori::epnet", enums=[EpDType, EpPhase], consts=[NetWaitId, NetSignal, ErrCode, FlagUnit],
     cfgs=[EpNetCfg],
     derived=[NetElemBytes, NetTokenBytes, NetBlockThreads, NetMaxRecv, NetNumExperts, NetSummable, NetIsValid],
     args=[EP_NET_ARGS]))

@@ -2,7 +2,9 @@
 
 Each leg of each bucket is one kernel (its family's phases of that leg), bound to one args struct
 per leg that each call rewrites: one driver launch per call, no compile, no host sync, so a
-whole step can be captured in a CUDA graph.
+whole step can be captured in a CUDA graph. The split legs launch each bucket's send kernel and
+hand back its receive kernel, on the same struct (``common.host``: ``split_launches``,
+``make_combine_send``; the op's ``core.overlap`` does the rest, as for the intranode kernels).
 Device errors (timed-out waits, a short combine input) land in host-mapped words that the next
 call reads without syncing. Outputs and the routing are the intranode op's (same contract).
 """
@@ -16,11 +18,12 @@ from mori_jit.jit.plan import prepare
 from mori_jit.ops.ep.memory.arena import SymmArena
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.internode.errors import NET_WAIT_MESSAGES, decode_net_error
-from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, _weights_ptr, base_args, collective_reset, make_combine, receive_views
+from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views, split_launches
 from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_ARGS, EP_NET_REGIONS, NetMaxRecv, net_region_bytes
 from mori_jit.ops.ep.backends.hip.internode.specs import net_spec
 from mori_jit.ops.ep.backends.hip.internode.variants import NetVariants
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
+from mori_jit.ops.ep.backends.hip.common.consts import EpPhase
 from mori_jit.ops.ep.core.op import KernelSet
 from mori_jit.ops.ep.errors import EpDeviceError
 
@@ -53,18 +56,39 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
     out, out_w, out_idx, recv_src, total_recv = receive_views(arena, cfg, cap)  # (ids: int32, no MoE options)
     given = arena.tensor.data_ptr()  # (see common.host._weights_ptr)
 
-    def dispatch(v, x, weights, scales, indices):
+    def fill_dispatch(x, weights, indices):  # dargs for a dispatch of x; its outputs
         dargs.inpTok = x.data_ptr()
         dargs.inpWeights = _weights_ptr(weights, given)
         dargs.inpIndices = indices.data_ptr()
         dargs.numTokens = x.shape[0]
-        disp_launches[v]()
         return (out, out_w if weights is not None else None, None, out_idx, total_recv,
                 HipRouting(x.shape[0], recv_src, total_recv))
+
+    def dispatch(v, x, weights, scales, indices):
+        res = fill_dispatch(x, weights, indices)
+        disp_launches[v]()
+        return res
+
+    halves = split_launches(var.half, lambda leg, v, c: bound(var.families[v], leg, c,
+                                                              dargs if leg == DISPATCH else cargs))
+
+    stream = SendStream(device)  # (both legs' sends: one leg is in flight at a time)
+
+    def dispatch_send(v, x, weights, scales, indices, routing):  # (no replay here: routing is None)
+        res = fill_dispatch(x, weights, indices)
+        stream.send(halves[DISPATCH, EpPhase.Send][v], (x, weights, indices))
+
+        def receive():
+            stream.join()
+            halves[DISPATCH, EpPhase.Recv][v]()
+
+        return res, receive
 
     new_outputs = CombineOutputs(cfg.combine_dtype, hidden, k, device)
 
     combine = make_combine(cargs, comb_launches, new_outputs, given)
+    combine_send = make_combine_send(cargs, halves[COMBINE, EpPhase.Send], halves[COMBINE, EpPhase.Recv],
+                                     new_outputs, given, stream)
     inp_buffer = InputBuffer(cap, hidden, cfg.combine_dtype, device)  # (plain memory: the combine stages what it puts)
 
     def check():
@@ -84,7 +108,9 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
                      capabilities=frozenset({"graph", "zero_copy_combine", "internode"}),
                      check=check, reset=lambda: collective_reset(device, group, clear),
                      combine_input_buffer=inp_buffer.get, close=close,
-                     bound_launches={DISPATCH: tuple(disp_launches), COMBINE: tuple(comb_launches)})
+                     bound_launches={DISPATCH: tuple(disp_launches), COMBINE: tuple(comb_launches)},
+                     dispatch_send=dispatch_send if var.split else None,
+                     combine_send=combine_send if var.split else None)
 
 
 def net_regions(var: NetVariants) -> dict[str, int]:

@@ -2,7 +2,8 @@
 
 ``v2_ll`` (low latency, ``kernels/ep/ep_net_ll.hpp``): ``ep_ll_dispatch``, ``ep_ll_combine``;
 ``v2`` (hierarchical, ``kernels/ep/ep_net_v2.hpp``): ``ep_v2_dispatch``, ``ep_v2_combine``. Each
-leg's phases (send, forward, receive) run in its one kernel.
+leg's phases (send, forward, receive) run in its one kernel, or, for the split legs (the Cfg's
+``phase``), in a send kernel and a receive kernel, each its own entry name (``…_send``, ``…_recv``).
 Every spec is device-linked against NVSHMEM (its module joins the process's NVSHMEM instance when
 loaded) and renders the transport header of its vendor; AMD has none here.
 """
@@ -14,8 +15,8 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain, ToolchainError
 
-from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_ARGS, TRANSPORTS, EpNetCfg, NetBlockThreads, make_net_cfg
-from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_TYPES
+from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_ARGS, TRANSPORTS, EpNetCfg, EpPhase, NetBlockThreads, make_net_cfg
+from mori_jit.ops.ep.backends.hip.common.cfg import DISPATCH, ELEM_TYPES, phase_suffix
 
 __all__ = ["EpNetSpec", "NET_SPECS", "FAMILY_BODIES", "TRANSPORTS", "net_spec"]
 
@@ -25,6 +26,9 @@ FAMILY_BODIES = {
     "v2": ("ep/ep_net_v2.hpp", {"dispatch": "NetV2Dispatch", "combine": "NetV2Combine"}),
 }
 _SHORT = {"v2_ll": "ll", "v2": "v2"}  # (spec and entry names)
+#: The families whose dispatch receive runs on one block: v2_ll's is block 0's waits and counts; v2's
+#: also forwards its node's relay rows, on the whole grid.
+_ONE_BLOCK_DISPATCH_RECV = ("v2_ll",)
 
 
 class EpNetSpec(Spec):
@@ -63,10 +67,12 @@ class EpNetSpec(Spec):
 
     def entry_name(self, cfg: EpNetCfg) -> str:
         return (f"mori_ep{_SHORT[self.family]}_{self.leg}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}"
-                f"_g{cfg.gpuPerNode}_h{cfg.hiddenDim}_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}")
+                f"_g{cfg.gpuPerNode}_h{cfg.hiddenDim}_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}"
+                f"{phase_suffix(cfg.phase)}")
 
     def geometry(self, cfg: EpNetCfg) -> Geometry:
-        return Geometry((cfg.blockNum, 1, 1), (NetBlockThreads(cfg), 1, 1))
+        one = self.leg == DISPATCH and cfg.phase == EpPhase.Recv and self.family in _ONE_BLOCK_DISPATCH_RECV
+        return Geometry((1 if one else cfg.blockNum, 1, 1), (NetBlockThreads(cfg), 1, 1))
 
     def template_vars(self, cfg: EpNetCfg, toolchain: Toolchain) -> dict:
         transport = TRANSPORTS.get(toolchain.vendor)

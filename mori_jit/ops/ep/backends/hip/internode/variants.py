@@ -7,7 +7,9 @@ launch's token count: a bucket of at most ``internode_auto_ll_max_tokens`` token
 a larger one ``v2``; buckets no call can reach (above ``max_num_inp_token_per_rank``) are left out,
 so an op whose every call is small builds only ``v2_ll``. Every rank of one call must fall on the
 same side of the threshold (the families speak different protocols; ranks that differ time out):
-an op's calls switch together, e.g. between prefill and decode.
+an op's calls switch together, e.g. between prefill and decode. With ``split_send_recv`` each
+bucket's legs also run in halves (:meth:`NetVariants.half`), in every family, so ``auto`` switches
+the halves as it switches the whole legs.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from mori_jit.jit.toolchain import vendor_of
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_MAX_RANKS, EpNetCfg, make_net_cfg
 from mori_jit.ops.ep.backends.hip.internode.tuning import net_rows
-from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
+from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH, SPLIT_PHASES, halves
+from mori_jit.ops.ep.backends.hip.common.consts import EpPhase
 from mori_jit.ops.ep.backends.hip.common.request import GridShare, ep_dtype, kernel_fields
 from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.errors import EpConfigError
@@ -38,14 +41,26 @@ class NetVariants:
     families: tuple[str, ...]
     dispatch: tuple[EpNetCfg, ...]  # per bucket
     combine: tuple[EpNetCfg, ...]  # per bucket
+    #: the split legs (``split_send_recv``): each bucket's legs also run as a send and a receive kernel
+    split: bool = False
+
+    def half(self, leg: str, phase: EpPhase) -> tuple[EpNetCfg, ...]:
+        """Per bucket, the ``leg``'s EpNetCfg for one half of the split legs (its family's, as the
+        whole leg's); empty without them."""
+        return halves(self.dispatch if leg == DISPATCH else self.combine, phase, self.split)
 
     def requests(self) -> list[tuple]:
-        """The distinct ``(spec, EpNetCfg)`` pairs to prepare, in launch order."""
+        """The distinct ``(spec, EpNetCfg)`` pairs to prepare: each bucket's legs in launch order,
+        then, with the split legs, each half's."""
         from mori_jit.ops.ep.backends.hip.internode.specs import net_spec
         out: dict = {}
         for fam, disp, comb in zip(self.families, self.dispatch, self.combine):
             out.setdefault((net_spec(fam, DISPATCH), disp), None)
             out.setdefault((net_spec(fam, COMBINE), comb), None)
+        for leg in (DISPATCH, COMBINE):
+            for phase in SPLIT_PHASES:
+                for fam, c in zip(self.families, self.half(leg, phase)):
+                    out.setdefault((net_spec(fam, leg), c), None)
         return list(out)
 
 
@@ -134,4 +149,4 @@ def net_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_pe
         sched_c.append((cb, cw))
     # (a call may take another bucket's geometry only within its family: the families' protocols differ)
     schedule = Schedule(tuple(edges), tuple(sched_d), tuple(sched_c), groups=families)
-    return NetVariants(schedule, families, tuple(disp), tuple(comb))
+    return NetVariants(schedule, families, tuple(disp), tuple(comb), cfg.split_send_recv)

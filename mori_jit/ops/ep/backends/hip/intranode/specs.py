@@ -5,13 +5,11 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain
 
-from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_TYPES
+from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_TYPES, phase_suffix
 from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EXPERT_SUM, LAYOUT, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, EpPhase, make_ep_cfg
 
 __all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "EP_LAYOUT", "EP_EXPERT_SUM"]
 
-#: The entry name's mark of each phase (the whole leg has none).
-_PHASE_SUFFIX = {EpPhase.Whole: "", EpPhase.Send: "_send", EpPhase.Recv: "_recv"}
 #: The kernel body of each kind.
 _BODIES = {DISPATCH: "EpDispatchBody", COMBINE: "EpCombineBody", LAYOUT: "EpLayoutBody",
            EXPERT_SUM: "EpExpertSumBody"}
@@ -47,7 +45,7 @@ class EpSpec(Spec):
                 f"{'_bulk' if cfg.bulkMinTokens else ''}{'_i64' if cfg.ids64 else ''}"
                 f"{f'_s{cfg.scaleDim}x{cfg.scaleTypeSize}' if cfg.scaleDim else ''}{'_cnt' if cfg.expertCounts else ''}"
                 f"{'_rr' if cfg.routingReplay else ''}{'_q128' if cfg.quantFp8Block128 else ''}"
-                f"{f'_c{cfg.expertCapacity}' if cfg.expertCapacity else ''}{_PHASE_SUFFIX[cfg.phase]}")
+                f"{f'_c{cfg.expertCapacity}' if cfg.expertCapacity else ''}{phase_suffix(cfg.phase)}")
 
     def precompile_cfgs(self, toolchain: Toolchain) -> list[EpCfg]:
         # a layout or an expert sum exists only for an op's config (mori-jit precompile --ep builds those)
