@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python3 scripts/bench_ep.py --out results/   # JSON + Markdown + PNG
     PYTHONPATH=. python3 scripts/bench_ep.py --sweep --tokens 128 4096   # blocks x warps sweep
+    PYTHONPATH=. python3 scripts/bench_ep.py --wire [--tokens ...]   # fp8 vs bf16 combine, one GPU
 
 Workload (defaults): hidden 7168, topk 8, 256 experts in total, tokens per rank 128/512/1024/4096,
 routing = a random permutation of experts per token, first k; bf16/bf16 and fp8/bf16 legs.
@@ -495,7 +496,13 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 132])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--report", metavar="JSON", help="only rebuild the Markdown/PNG from a results file")
+    ap.add_argument("--wire", action="store_true",
+                    help="the combine's fp8 wire against the bf16 combine and the device copy, world size 1 "
+                         "(scripts/bench_ep_wire.py; takes --tokens and --iters)")
     args = ap.parse_args(argv)
+    if args.wire:
+        from bench_ep_wire import main as wire_main
+        return wire_main(["--tokens", *map(str, args.tokens), "--iters", str(args.iters)])
     os.makedirs(os.path.dirname(os.path.abspath(args.report or args.out)), exist_ok=True)
     if args.report:
         print(report(args.report))

@@ -202,6 +202,11 @@ def test_cli_ep_fields_take_both_quantizations():
     assert cfg.dispatch_quant_type == "fp8_e4m3_block128" and cfg.quant_type == "none"
     cfg, _ = config_from_strings({**base, "quant_type": "fp8_direct_cast"})
     assert cfg.quant_type == "fp8_direct_cast"
-    with pytest.raises(EpConfigError, match=r"the hip op does not support: quant_type='fp8_direct_cast' \(mori's "
+    names = [c and spec.entry_name(c) for spec, c in precompile_targets({**base, "quant_type": "fp8_direct_cast"},
+                                                                          "sm_90a")]
+    assert any(n.startswith("mori_ep_combine_") and n.endswith("_w8") for n in names), names
+    with pytest.raises(EpConfigError, match=r"the hip op does not support: quant_type='fp4_blockwise' \(mori's "
                                             r"combine-wire quantization"):
-        precompile_targets({**base, "quant_type": "fp8_direct_cast"}, "sm_90a")
+        precompile_targets({**base, "quant_type": "fp4_blockwise"}, "sm_90a")
+    with pytest.raises(EpConfigError, match=r"quant_type='fp8_blockwise' on the internode kernels"):
+        precompile_targets({**base, "world_size": "4", "gpu_per_node": "2", "quant_type": "fp8_blockwise"}, "sm_90a")

@@ -172,12 +172,23 @@ struct Sender {
       const int v = (pass * P::kPerPass + u) * P::kThreads + int(threadIdx.x);
       if (v < P::kTaskVecs && SlotOf(v / kVecs) >= 0) dst[v] = buf[u];
     }
-    if (pass == 0 && withWeights)
+    if (pass == 0) StoreWeights<false>(dstW);
+  }
+  // The task's weights (with weights; the first pass): f32, or (low latency) relaxed TaggedWeights,
+  // a row beyond a short input's as 0.
+  template <bool kLow>
+  MORI_DEVICE void StoreWeights(CombWeight<kLow>* dstW) const {
+    if (!withWeights) return;
 #pragma unroll
-      for (int u = 0; u < P::kWtsPer; ++u) {
-        const int j = u * P::kThreads + int(threadIdx.x);
-        if (j < P::kWts && SlotOf(j / kK) >= 0) dstW[j] = w[u];
+    for (int u = 0; u < P::kWtsPer; ++u) {
+      const int j = u * P::kThreads + int(threadIdx.x), s = SlotOf(j / kK);
+      if constexpr (kLow) {
+        if (j < P::kWts && (s >= 0 || s == kShortSlot))
+          plat::store_relaxed_system(dstW + j, TaggedWeight(target, s >= 0 ? w[u] : 0.f));
+      } else if (j < P::kWts && s >= 0) {
+        dstW[j] = w[u];
       }
+    }
   }
   // Low latency: every word relaxed and system-scope; a row beyond a short input goes as
   // kShortWord words (and weight 0), so the home rank sums its token without it and says so.
@@ -188,13 +199,23 @@ struct Sender {
       if (v < P::kTaskVecs && (s >= 0 || s == kShortSlot))
         plat::store_words_relaxed(dst + v, s >= 0 ? CanonVec(buf[u]) : WordVec(kShortWord));
     }
-    if (pass == 0 && withWeights)
+    if (pass == 0) StoreWeights<true>(dstW);
+  }
+  // The fp8 wire (CombWire): each vector cast on the way (every thread casts: a block's scale is a
+  // shuffle; a block's lanes share their row, so they are live together), into rows of
+  // EpWireBytes; low latency as StorePassLow (its data words are never signal words).
+  template <bool kLow>
+  MORI_DEVICE void StorePassWire(int pass, char* dst, CombWeight<kLow>* dstW) const {
+    using W = CombWire<kCfg>;
 #pragma unroll
-      for (int u = 0; u < P::kWtsPer; ++u) {
-        const int j = u * P::kThreads + int(threadIdx.x), s = SlotOf(j / kK);
-        if (j < P::kWts && (s >= 0 || s == kShortSlot))
-          plat::store_relaxed_system(dstW + j, TaggedWeight(target, s >= 0 ? w[u] : 0.f));
-      }
+    for (int u = 0; u < P::kPerPass; ++u) {
+      const int v = (pass * P::kPerPass + u) * P::kThreads + int(threadIdx.x), i = v / kVecs, s = SlotOf(i);
+      const bool in = v < P::kTaskVecs;
+      const typename W::Vec c = W::Cast(buf[u], in && s >= 0);
+      if (in && (s >= 0 || (kLow && s == kShortSlot)))
+        W::template Store<kLow>(dst + size_t(i) * W::kRowBytes, v - i * kVecs, s >= 0 ? c : W::Fill(kShortWord));
+    }
+    if (pass == 0) StoreWeights<kLow>(dstW);
   }
   // Push task q (this block's current one) into its peer's comb_recv and raise its range flag
   // (low latency: no flag); returns the block's next task (numTasks or more: none).
@@ -203,13 +224,15 @@ struct Sender {
     const int b = q / kDests, d = Dest(q), rank = args.rank;
     const bool live = b < NumRanges<kCfg>(int(numTok[d]));  // block-uniform
     if (live) {
-      vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok<kCfg>) * kVecs;
-      CombWeight<kLow>* dstW = At<CombWeight<kLow>>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok<kCfg>) * kK;
+      const size_t row0 = size_t(rank * kM + b * kRangeTok<kCfg>);
+      char* dst = At<char>(args, d, args.off_comb_recv) + row0 * EpWireBytes(kCfg);
+      CombWeight<kLow>* dstW = At<CombWeight<kLow>>(args, d, args.off_comb_recv_wts) + row0 * kK;
 #pragma unroll 1
       for (int pass = 0; pass < P::kPasses; ++pass) {
         if (pass > 0) LoadPass(pass);
-        if constexpr (kLow) StorePassLow(pass, dst, dstW);
-        else StorePass(pass, dst, dstW);
+        if constexpr (CombWire<kCfg>::kQuant) StorePassWire<kLow>(pass, dst, dstW);
+        else if constexpr (kLow) StorePassLow(pass, reinterpret_cast<vec16_t*>(dst), dstW);
+        else StorePass(pass, reinterpret_cast<vec16_t*>(dst), dstW);
       }
     }
     bool shortInput = false;

@@ -8,15 +8,16 @@ namespace mori::ep {
 // Where one work item's rows come from: one source per rank its token went to (its own row
 // straight from the input, a peer's from comb_recv, where that peer pushed it), and this lane's
 // weight (lane < k) of each. `flat` is the token's forward-map entry on lane j < k (-1 elsewhere).
-// Low latency (kLow): a peer's weight is a TaggedWeight, and nibble i of `pes` is source i's rank,
-// so that peers' words are awaited, not just loaded. With `prefetchV0` >= 0, this lane's vectors
+// Low latency (kLow): a peer's weight is a TaggedWeight. Nibble i of `pes` is source i's rank (low
+// latency, so that peers' words are awaited, not just loaded; the fp8 wire, so that the own row is
+// cast and a peer's decoded). A peer's row is EpWireBytes long (CombWire). With `prefetchV0` >= 0, this lane's vectors
 // of the own row (prefetchV0, + waveSize, ...) are hinted into L2 as soon as the row is known: the
 // input was complete at the kernel's start, so its HBM latency can pass while the wave waits for
 // the peers' flags. (Loading it into registers there instead delayed the poll: docs/performance.md,
 // "Own row hinted into L2".)
 template <EpCfg kCfg>
 struct ItemSources {
-  static constexpr bool kLow = kCfg.lowLatency;
+  static constexpr bool kLow = kCfg.lowLatency, kPes = kLow || CombWire<kCfg>::kQuant;
   static constexpr int kWs = kCfg.worldSize, kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank;
   static constexpr int kVecs = EpTokenBytes(kCfg) / 16, kRecv = EpMaxRecv(kCfg);
   static constexpr int kW = kCfg.waveSize, kUnroll = kCfg.vecUnroll;
@@ -27,14 +28,15 @@ struct ItemSources {
   MORI_DEVICE ItemSources(const EpArgs& args, bool sumWeights, int flat, int t, int prefetchV0 = -1) {
     const int rank = args.rank, lane = plat::lane_id();
     const vec16_t* in = static_cast<const vec16_t*>(args.inpTok);
-    const vec16_t* recv = At<vec16_t>(args, rank, args.off_comb_recv);
+    const char* recv = At<char>(args, rank, args.off_comb_recv);
     const CombWeight<kLow>* recvW = At<CombWeight<kLow>>(args, rank, args.off_comb_recv_wts);
 #pragma unroll
     for (int i = 0; i < kWs; ++i) row[i] = nullptr, w[i] = nullptr;
     for (uint64_t m = plat::ballot(flat >= 0); m; m &= m - 1) {
       const int f = plat::shfl(flat, plat::lowest_bit(m)), pe = f / kRecv, slot = f % kRecv;
       if (pe == rank && slot >= args.inpRows) continue;  // short input (reported): never read past it
-      const vec16_t* r = pe == rank ? in + size_t(slot) * kVecs : recv + size_t(pe * kM + t) * kVecs;
+      const vec16_t* r = pe == rank ? in + size_t(slot) * kVecs
+                                    : reinterpret_cast<const vec16_t*>(recv + size_t(pe * kM + t) * EpWireBytes(kCfg));
       if (pe == rank && prefetchV0 >= 0)
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
@@ -46,7 +48,7 @@ struct ItemSources {
 #pragma unroll
       for (int i = 0; i < kWs; ++i)  // (static indices: the arrays stay in registers)
         if (i == n) row[i] = r, w[i] = wp;
-      if constexpr (kLow) pes |= uint32_t(pe) << (4 * n);
+      if constexpr (kPes) pes |= uint32_t(pe) << (4 * n);
       ++n;
     }
   }
@@ -61,9 +63,24 @@ struct ItemSources {
 // docs/performance.md, "Every lane polls its own vectors"). The timeout decision is wave-uniform:
 // each lane reads its own clock, and a lane that left alone would leave its wave's next vote short
 // of it: the wave would hang.
-template <EpCfg kCfg, typename Src>
+// A low-latency vector as loaded (the row's own 16 bytes, or the fp8 wire's words and scale): whether
+// it holds `word`, and its reload.
+MORI_DEVICE bool Holds(const vec16_t& b, uint32_t word) { return HasWord(b, word); }
+template <int kWords>
+MORI_DEVICE bool Holds(const WireVec<kWords>& c, uint32_t word) {
+  bool any = c.scale == word;  // (0 where there is no scale word: never a signal word)
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) any |= c.w[i] == word;
+  return any;
+}
+template <EpCfg kCfg>
+MORI_DEVICE void Reload(const vec16_t* row, int v, vec16_t& b) { b = plat::load_words_relaxed(row + v); }
+template <EpCfg kCfg, int kWords>
+MORI_DEVICE void Reload(const vec16_t* row, int v, WireVec<kWords>& c) { c = CombWire<kCfg>::template Load<true>(row, v); }
+
+template <EpCfg kCfg, typename Src, typename Buf>
 MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, int s, int pair, bool withW, int v0,
-                           int t, uint64_t (&tw)[2], float* wv, vec16_t (&buf)[2][kCfg.vecUnroll]) {
+                           int t, uint64_t (&tw)[2], float* wv, Buf (&buf)[2][kCfg.vecUnroll]) {
   constexpr int kW = kCfg.waveSize, kVecs = EpTokenBytes(kCfg) / 16, kUnroll = kCfg.vecUnroll;
   const int rank = args.rank;
 #pragma unroll
@@ -86,7 +103,7 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
     for (int p = 0; p < 2; ++p)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs) empty |= HasWord(buf[p][u], kEmptyWord);
+        if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs) empty |= Holds(buf[p][u], kEmptyWord);
     if (!plat::wave_any(empty)) return;
     const uint64_t now = plat::now_ns();
     if (!since) since = now;
@@ -99,8 +116,8 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
     for (int p = 0; p < 2; ++p)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs && HasWord(buf[p][u], kEmptyWord))
-          buf[p][u] = plat::load_words_relaxed(src.row[s + p] + v0 + u * kW);
+        if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs && Holds(buf[p][u], kEmptyWord))
+          Reload<kCfg>(src.row[s + p], v0 + u * kW, buf[p][u]);
   }
 }
 
@@ -122,6 +139,10 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   constexpr int kPerVec = 16 / sizeof(T), kChunkVecs = ep::kChunkVecs<kCfg>, kChunks = ep::kChunks<kCfg>;
   constexpr bool kLow = kCfg.lowLatency;
   using Src = ItemSources<kCfg>;
+  // The fp8 wire (CombWire): a peer's vectors come as wire words, the own row's are cast here as
+  // its senders would cast them (every lane of the wave casts: a block's scale is a shuffle).
+  using W = CombWire<kCfg>;
+  using Buf = std::conditional_t<W::kQuant, typename W::Vec, vec16_t>;
   const int rank = args.rank, lane = plat::lane_id(), wave = plat::wave_id(), n = args.numTokens;
   const int* tokOff = At<int>(args, rank, args.off_tok_off);
   const int t0 = b * kRangeTok<kCfg>, numItems = min(kRangeTok<kCfg>, n - t0) * kChunks;
@@ -178,8 +199,17 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
       for (int s = 0; s < kWs; s += 2) {  // (static indices into src: registers, not the stack)
         if (s >= numSrc) break;
         const int pair = s + 1 < numSrc ? 2 : 1;
-        vec16_t buf[2][kUnroll];
+        Buf buf[2][kUnroll];
         bool shortRow[2] = {false, false};
+        if constexpr (W::kQuant)
+#pragma unroll
+          for (int p = 0; p < 2; ++p)
+            if (p < pair && !src.Peer(s + p, rank))  // (wave-uniform: every lane casts)
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u) {
+                const bool in = v0 + u * kW < kVecs;
+                buf[p][u] = W::Cast(in ? plat::load_peer(src.row[s + p] + v0 + u * kW) : vec16_t{}, in);
+              }
         if constexpr (kLow) {
           uint64_t tw[2] = {0, 0};  // a peer's TaggedWeight, loaded before the rows
 #pragma unroll
@@ -192,15 +222,20 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
           for (int p = 0; p < 2; ++p)
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-              if (p < pair && v0 + u * kW < kVecs)
-                buf[p][u] = src.Peer(s + p, rank) ? plat::load_words_relaxed(src.row[s + p] + v0 + u * kW)
-                                                  : plat::load_peer(src.row[s + p] + v0 + u * kW);
+              if (p < pair && v0 + u * kW < kVecs) {
+                if constexpr (W::kQuant) {
+                  if (src.Peer(s + p, rank)) buf[p][u] = W::template Load<true>(src.row[s + p], v0 + u * kW);
+                } else {
+                  buf[p][u] = src.Peer(s + p, rank) ? plat::load_words_relaxed(src.row[s + p] + v0 + u * kW)
+                                                    : plat::load_peer(src.row[s + p] + v0 + u * kW);
+                }
+              }
           AwaitRest<kCfg>(args, target, src, s, pair, withW, v0, t, tw, wv, buf);
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
             // a peer's row beyond its short input came as kShortWord words: summed without it, reported
             const bool peer = p < pair && src.Peer(s + p, rank);
-            shortRow[p] = plat::wave_any(peer && v0 < kVecs && HasWord(buf[p][0], kShortWord));
+            shortRow[p] = plat::wave_any(peer && v0 < kVecs && Holds(buf[p][0], kShortWord));
             if (shortRow[p] && chunk == 0 && lane == 0)
               RecordError(args, kErrPeerShortInput, PeerShortDetail(src.Pe(s + p), rank), uint64_t(t));
           }
@@ -209,24 +244,36 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
           for (int p = 0; p < 2; ++p)
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-              if (p < pair && v0 + u * kW < kVecs) buf[p][u] = plat::load_peer(src.row[s + p] + v0 + u * kW);
+              if (p < pair && v0 + u * kW < kVecs) {
+                if constexpr (W::kQuant) {
+                  if (src.Peer(s + p, rank)) buf[p][u] = W::template Load<false>(src.row[s + p], v0 + u * kW);
+                } else {
+                  buf[p][u] = plat::load_peer(src.row[s + p] + v0 + u * kW);
+                }
+              }
         }
 #pragma unroll
         for (int p = 0; p < 2; ++p)
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
-            const T* el = reinterpret_cast<const T*>(&buf[p][u]);
+            if constexpr (W::kQuant) {
+              if (p < pair && (!kLow || !shortRow[p])) W::Add(buf[p][u], acc[u]);
+            } else {
+              const T* el = reinterpret_cast<const T*>(&buf[p][u]);
 #pragma unroll
-            for (int e = 0; e < kPerVec; ++e)
-              if (p < pair && (!kLow || !shortRow[p])) acc[u][e] += to_f32(el[e]);
+              for (int e = 0; e < kPerVec; ++e)
+                if (p < pair && (!kLow || !shortRow[p])) acc[u][e] += to_f32(el[e]);
+            }
           }
         if constexpr (kLow)  // the peers' words back to empty for the next combine (before the count)
 #pragma unroll
           for (int p = 0; p < 2; ++p)
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
-              if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs)
-                plat::store_words_relaxed(const_cast<vec16_t*>(src.row[s + p]) + v0 + u * kW, WordVec(kEmptyWord));
+              if (p < pair && src.Peer(s + p, rank) && v0 + u * kW < kVecs) {
+                if constexpr (W::kQuant) W::template Store<true>(const_cast<vec16_t*>(src.row[s + p]), v0 + u * kW, W::Fill(kEmptyWord));
+                else plat::store_words_relaxed(const_cast<vec16_t*>(src.row[s + p]) + v0 + u * kW, WordVec(kEmptyWord));
+              }
       }
       if constexpr (kLow) {
         seen = plat::now_ns();

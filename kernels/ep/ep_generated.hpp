@@ -8,6 +8,7 @@ namespace mori::ep {
 
 enum class EpDType : int { Bf16 = 0, Fp32 = 1, Fp8 = 2, Fp4x2 = 3 };
 enum class EpPhase : int { Whole = 0, Send = 1, Recv = 2 };
+enum class EpCombineQuant : int { Plain = 0, Fp8Direct = 1, Fp8Block = 2 };
 // The 32-bit words of the low-latency combine's rows (`comb_recv`) that are not data.
 enum CombWord : uint32_t { kEmptyWord = 0xffffffff, kShortWord = 0xfffffffe, kCanonWord = 0xfffffffd };
 // Which spin-wait timed out (the high bits of the error detail word).
@@ -46,6 +47,8 @@ struct EpCfg {
   bool quantFp8Block128 = false;
   int expertCapacity = 0;
   EpPhase phase = EpPhase::Whole;
+  EpCombineQuant combineQuant = EpCombineQuant::Plain;
+  int combineScaleBytes = 4;
 };
 
 // bytes per payload element
@@ -64,10 +67,12 @@ constexpr int EpRangeTok(const EpCfg& c) { return ((c.lowLatency && ((c.maxTokPe
 constexpr int EpBulkStages(const EpCfg& c) { return ((c.bulkMinTokens > 0) ? 4 : 0); }
 // dynamic shared memory of a dispatch block: its bulk-copy stages
 constexpr int EpBulkSmemBytes(const EpCfg& c) { return (EpBulkStages(c) * EpTokenBytes(c)); }
+// bytes of a combine row on the wire (comb_recv's row)
+constexpr int EpWireBytes(const EpCfg& c) { return ((c.combineQuant == EpCombineQuant::Plain) ? EpTokenBytes(c) : (c.hiddenDim + ((c.combineQuant == EpCombineQuant::Fp8Block) ? (((((c.hiddenDim / 128) * 4) + 15) / 16) * 16) : 0))); }
 // the dtype can be reduced (combine leg)
 constexpr bool EpSummable(const EpCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the kernels can be built and are correct for this config
-constexpr bool EpIsValid(const EpCfg& c) { return ((((((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (((c.scaleDim == 0) && (c.scaleTypeSize == 0)) || ((c.scaleDim >= 1) && ((((c.scaleTypeSize == 1) || (c.scaleTypeSize == 2)) || (c.scaleTypeSize == 4)) || (c.scaleTypeSize == 8))))) && ((!c.quantFp8Block128) || (((((c.dtype == EpDType::Fp8) && ((c.hiddenDim % 128) == 0)) && (c.scaleDim == (c.hiddenDim / 128))) && ((c.scaleTypeSize == 4) || (c.scaleTypeSize == 1))) && (c.bulkMinTokens == 0)))) && ((c.expertCapacity == 0) || ((c.expertCapacity >= 1) && c.expertCounts))) && ((!c.expertCounts) || (EpNumExperts(c) <= 2048))) && (EpBulkSmemBytes(c) <= 196608)); }
+constexpr bool EpIsValid(const EpCfg& c) { return (((((((((((((((((((((((c.worldSize >= 1) && (c.worldSize <= 8)) && (c.worldSize <= c.waveSize)) && (c.hiddenDim >= 1)) && ((EpTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && ((c.waveSize == 32) || (c.waveSize == 64))) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (EpBlockThreads(c) <= 1024)) && ((c.vecUnroll >= 1) && (c.vecUnroll <= 8))) && (c.bulkMinTokens >= 0)) && (((c.scaleDim == 0) && (c.scaleTypeSize == 0)) || ((c.scaleDim >= 1) && ((((c.scaleTypeSize == 1) || (c.scaleTypeSize == 2)) || (c.scaleTypeSize == 4)) || (c.scaleTypeSize == 8))))) && ((!c.quantFp8Block128) || (((((c.dtype == EpDType::Fp8) && ((c.hiddenDim % 128) == 0)) && (c.scaleDim == (c.hiddenDim / 128))) && ((c.scaleTypeSize == 4) || (c.scaleTypeSize == 1))) && (c.bulkMinTokens == 0)))) && ((c.combineQuant == EpCombineQuant::Plain) || ((((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)) && ((c.hiddenDim % 16) == 0)) && ((!(c.combineQuant == EpCombineQuant::Fp8Block)) || (((c.hiddenDim % 128) == 0) && ((c.combineScaleBytes == 4) || (c.combineScaleBytes == 1))))))) && ((c.expertCapacity == 0) || ((c.expertCapacity >= 1) && c.expertCounts))) && ((!c.expertCounts) || (EpNumExperts(c) <= 2048))) && (EpBulkSmemBytes(c) <= 196608)); }
 
 struct EpArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]

@@ -51,13 +51,17 @@ MORI_DEVICE float BlockScale(float amax, uint32_t& word) {
   }
 }
 
-// The max of v over this lane's block (kQuantLanes aligned lanes); every lane of the wave calls it.
-MORI_DEVICE float BlockMax(float v) {
+// The max of v over this lane's group of kLanes aligned lanes (a power of two up to the wave);
+// every lane of the wave calls it.
+template <int kLanes>
+MORI_DEVICE float LanesMax(float v) {
   const int lane = plat::lane_id();
 #pragma unroll
-  for (int m = 1; m < kQuantLanes; m <<= 1) v = fmaxf(v, __int_as_float(plat::shfl(__float_as_int(v), lane ^ m)));
+  for (int m = 1; m < kLanes; m <<= 1) v = fmaxf(v, __int_as_float(plat::shfl(__float_as_int(v), lane ^ m)));
   return v;
 }
+// The max of v over this lane's block (kQuantLanes aligned lanes); every lane of the wave calls it.
+MORI_DEVICE float BlockMax(float v) { return LanesMax<kQuantLanes>(v); }
 
 // 16 bf16 values (lo, hi: 8 each) -> 16 e4m3 bytes, times inv. The hardware conversion (where the
 // platform has one) and Fp8E4m3FromF32 agree on every value a block cast produces: both round to

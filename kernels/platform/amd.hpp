@@ -89,6 +89,15 @@ MORI_DEVICE vec16_t load_words_relaxed(const vec16_t* p) {
   v.w = __hip_atomic_load(w + 3, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
   return v;
 }
+// One 32-bit word of a peer's row (the fp8 combine wire's): as load_peer, one word.
+MORI_DEVICE uint32_t load_peer_u32(const uint32_t* p) { return __builtin_nontemporal_load(p); }
+// One word a peer polls with no flag (the fp8 combine wire's words), as store/load_words_relaxed.
+MORI_DEVICE void store_word_relaxed(uint32_t* p, uint32_t v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MORI_DEVICE uint32_t load_word_relaxed(const uint32_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
 MORI_DEVICE void store_relaxed_system(uint64_t* p, uint64_t v) {
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }

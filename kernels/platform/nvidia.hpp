@@ -107,6 +107,21 @@ MORI_DEVICE vec16_t load_words_relaxed(const vec16_t* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
+// One 32-bit word of a peer's row (the fp8 combine wire's): as load_peer, one word.
+MORI_DEVICE uint32_t load_peer_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+// One word a peer polls with no flag (the fp8 combine wire's words), as store/load_words_relaxed.
+MORI_DEVICE void store_word_relaxed(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+MORI_DEVICE uint32_t load_word_relaxed(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 MORI_DEVICE void store_relaxed_system(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

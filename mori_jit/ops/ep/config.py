@@ -68,9 +68,12 @@ class EpDispatchCombineConfig:
     #: mori's combine mode; ``"gather"`` or ``"scatter"`` (both run the push combine here).
     combine_mode: str = "gather"
     #: mori's field: the combine wire's quantization, mori's values (:data:`.quant.COMBINE_QUANT_TYPES`:
-    #: ``"none"``, ``"fp8_direct_cast"``, ``"fp8_blockwise"``, ...). A backend refuses at
-    #: construction, by name, the values it does not serve (both serve ``"none"``).
+    #: ``"none"``, ``"fp8_direct_cast"``, ``"fp8_blockwise"``, ...; the numerics: :mod:`.quant`). A
+    #: backend refuses at construction, by name, the values it does not serve (the fp4 ones).
     quant_type: str = "none"
+    #: Bytes of one block scale of ``quant_type="fp8_blockwise"``: 4 (float32) or 1 (UE8M0), as
+    #: ``scale_type_size`` is for the dispatch cast; unused by the other values.
+    combine_scale_type_size: int = 4
     #: The cast of the dispatch payload in the op (:mod:`.quant`): None/``"none"``, or
     #: ``"fp8_e4m3_block128"`` (bf16 in, e4m3 rows and per-128-block scales out).
     dispatch_quant_type: Optional[str] = dataclasses.field(default=None, metadata=MOE_OPTION)

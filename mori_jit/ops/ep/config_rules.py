@@ -42,7 +42,7 @@ def check_config(cfg) -> None:
     for f in ("hidden_dim", "max_num_inp_token_per_rank", "num_experts_per_rank", "num_experts_per_token",
               "gpu_per_node"):
         _int(f, getattr(cfg, f), 1)
-    for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens"):
+    for f in ("scale_dim", "scale_type_size", "max_total_recv_tokens", "combine_scale_type_size"):
         _int(f, getattr(cfg, f), 0)
     for f in ("dispatch_block_num", "combine_block_num", "warp_num_per_block", "combine_warp_num_per_block"):
         _opt_int(f, getattr(cfg, f))

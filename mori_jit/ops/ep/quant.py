@@ -25,8 +25,27 @@ product is what the formula gives on the GPUs it runs on, so it is the definitio
 
 Scales are ``[n, hidden / 128]``: float32 (``scale_type_size=4``) or UE8M0 bytes
 (``scale_type_size=1``; the byte is the biased exponent ``e + 127`` of ``2 ** e``, torch's
-``float8_e8m0fnu`` where torch has it, else ``uint8``). The wire carries the fp8 rows and the scales;
-combine stays in the combine dtype.
+``float8_e8m0fnu`` where torch has it, else ``uint8``). The wire carries the fp8 rows and the scales.
+
+The combine wire (``quant_type``; every backend matches these numerics bit for bit, the hip kernels
+in ``kernels/ep/ep_combine_wire.hpp``). Every expert-output row (the combine dtype, bf16 or
+float32; the home rank's own rows too, so a sum does not depend on where the experts live) is cast
+before it is summed:
+
+* ``"fp8_direct_cast"``: ``q = e4m3fn(clamp(x, -448, 448))`` per element in float32, rounded to
+  nearest even (:func:`cast_e4m3`: saturating, infinities become +-448, a NaN becomes 0x7f);
+* ``"fp8_blockwise"``: the dispatch cast's rule above, per 128-element block of the row, with its
+  scales (``combine_scale_type_size``: 4, float32; 1, UE8M0) travelling with the row
+  (:func:`quantize` itself; a NaN byte then becomes 0x7f as in the direct cast);
+* the receiver decodes each value to float32 (blockwise: ``q * sf`` rounded once) and sums a
+  token's rows in float32, one per destination rank, in the order of the token's top-k slots (the
+  rank of its first slot first), starting from +0, then rounds once to the combine dtype. The
+  top-k weights (when passed) are summed alongside in the same order and are not quantized.
+
+No byte of the wire is 0xff (-NaN): the low-latency combine's signal words (all-ones words) can
+never be data. mori's own kernels use other rules (its v2 blockwise combine scales a block only
+when its amax exceeds the fp8 maximum; its gfx125x kernels use 32-element blocks with 1-byte
+scales): the names and what travels are mori's, these numerics are mori-jit's.
 """
 from __future__ import annotations
 
@@ -35,8 +54,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["QuantSpec", "DISPATCH_QUANT_TYPES", "COMBINE_QUANT_TYPES", "quant_spec", "quantize", "dequantize",
-           "scale_values", "ue8m0_dtype", "quant_config_errors", "combine_quant_gap", "float32_reciprocal"]
+__all__ = ["QuantSpec", "DISPATCH_QUANT_TYPES", "COMBINE_QUANT_TYPES", "COMBINE_WIRE_QUANTS", "quant_spec", "quantize",
+           "dequantize", "scale_values", "ue8m0_dtype", "quant_config_errors", "combine_quant_gap", "float32_reciprocal",
+           "cast_e4m3", "combine_wire_encode", "combine_wire_decode"]
 
 #: What ``dispatch_quant_type`` means when it is None or ``"none"``: no in-op cast.
 NO_QUANT = (None, "none")
@@ -59,6 +79,12 @@ class QuantSpec:
 
 #: The dispatch casts by name (``dispatch_quant_type``).
 DISPATCH_QUANT_TYPES = {"fp8_e4m3_block128": QuantSpec(torch.bfloat16, torch.float8_e4m3fn, 128, 448.0, (4, 1))}
+
+#: The combine-wire quantizations with a cast (``quant_type``), by name: the wire's e4m3 and, for the
+#: blockwise one, the dispatch cast's block rule (its ``scale_sizes`` are ``combine_scale_type_size``'s
+#: values). The input is the combine dtype (bf16, or float32 for the expert-major combine's sums).
+COMBINE_WIRE_QUANTS = {"fp8_direct_cast": QuantSpec(torch.bfloat16, torch.float8_e4m3fn, 1, 448.0, ()),
+                       "fp8_blockwise": DISPATCH_QUANT_TYPES["fp8_e4m3_block128"]}
 
 #: The floor of a block's amax (DeepGEMM's), so an all-zero block gets a finite scale.
 AMAX_FLOOR = 1e-4
@@ -123,6 +149,72 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.d
     return blocks.reshape(shape).to(dtype)
 
 
+def _canonical_nan(q: torch.Tensor) -> torch.Tensor:
+    """e4m3fn bytes with every NaN (0x7f, 0xff) as 0x7f, so that no byte is 0xff."""
+    b = q.view(torch.uint8)
+    return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
+
+
+def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """The combine wire's direct cast: e4m3fn bytes (uint8) of ``x`` in float32, saturating at +-448
+    (infinities too), rounded to nearest even, a NaN as 0x7f."""
+    return _canonical_nan(x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t [r, c]`` as its raw bytes ``[r, c * element_size]`` (an empty tensor too)."""
+    if t.numel() == 0:
+        return torch.empty((t.shape[0], t.shape[1] * t.element_size()), dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def combine_wire_encode(rows: torch.Tensor, quant_type: str, scale_type_size: int) -> list[torch.Tensor]:
+    """What the combine wire carries of ``rows [r, H]`` (the combine dtype): its byte fields, each
+    ``[r, w]`` uint8 (the rows themselves for ``"none"``; the e4m3 bytes, then the blockwise scales)."""
+    if quant_type not in COMBINE_WIRE_QUANTS:
+        return [_bytes(rows)]
+    if quant_type == "fp8_direct_cast":
+        return [cast_e4m3(rows)]
+    q, scales = quantize(rows.float(), COMBINE_WIRE_QUANTS[quant_type], scale_type_size)
+    return [_canonical_nan(q), _bytes(scales)]
+
+
+def combine_wire_decode(fields: list[torch.Tensor], quant_type: str, scale_type_size: int, dtype: torch.dtype,
+                        hidden: int) -> torch.Tensor:
+    """float32 ``[r, H]`` values of what :func:`combine_wire_encode` made (``dtype``: the rows' dtype
+    for ``"none"``)."""
+    rows = fields[0].shape[0]
+    if rows == 0:
+        return torch.empty((0, hidden), dtype=torch.float32, device=fields[0].device)
+    if quant_type not in COMBINE_WIRE_QUANTS:
+        return fields[0].contiguous().view(dtype).reshape(rows, hidden).float()
+    q = fields[0].contiguous().view(torch.float8_e4m3fn).float()
+    if quant_type == "fp8_direct_cast":
+        return q
+    raw = fields[1].contiguous()
+    scales = raw.view(torch.float32) if scale_type_size == 4 else raw
+    sf = scale_values(scales).reshape(q.shape[0], hidden // 128, 1)
+    return (q.reshape(q.shape[0], hidden // 128, 128) * sf).reshape(q.shape[0], hidden)
+
+
+def _combine_quant_errors(cfg) -> list[str]:
+    """What is wrong with the fields of the combine wire's cast (``quant_type``)."""
+    if cfg.quant_type not in COMBINE_WIRE_QUANTS:
+        return []
+    q, errors = f"quant_type={cfg.quant_type!r}", []
+    if cfg.quant_type == "fp8_blockwise":
+        if cfg.hidden_dim % 128:
+            errors.append(f"{q} makes one scale per 128 elements: needs hidden_dim a multiple of 128, got "
+                          f"{cfg.hidden_dim}")
+        if cfg.combine_scale_type_size not in COMBINE_WIRE_QUANTS[cfg.quant_type].scale_sizes:
+            errors.append(f"combine_scale_type_size={cfg.combine_scale_type_size!r}: allowed 4 (float32 scales) "
+                          f"or 1 (UE8M0)")
+    elif cfg.hidden_dim % 16:
+        errors.append(f"{q} moves rows of hidden_dim e4m3 bytes in 16-byte vectors: needs hidden_dim a multiple "
+                      f"of 16, got {cfg.hidden_dim}")
+    return errors
+
+
 def quant_config_errors(cfg) -> list[str]:
     """What is wrong with ``cfg``'s two quantization fields and the scale fields of the dispatch cast
     (empty = consistent)."""
@@ -132,6 +224,7 @@ def quant_config_errors(cfg) -> list[str]:
                 if cfg.quant_type in DISPATCH_QUANT_TYPES else "")
         errors.append(f"quant_type={cfg.quant_type!r}: the combine wire's quantization, mori's values: "
                       f"{', '.join(map(repr, COMBINE_QUANT_TYPES))}{hint}")
+    errors += _combine_quant_errors(cfg)
     if cfg.dispatch_quant_type in NO_QUANT:
         return errors
     if cfg.dispatch_quant_type not in DISPATCH_QUANT_TYPES:
@@ -156,5 +249,5 @@ def combine_quant_gap(cfg, served: tuple[str, ...]) -> Optional[str]:
     backend ``served`` (None when it is): what :meth:`_unsupported` lists."""
     if cfg.quant_type in served:
         return None
-    return (f"quant_type={cfg.quant_type!r} (mori's combine-wire quantization; this backend's combine moves "
-            f"{cfg.combine_dtype} rows as they are, served: {', '.join(map(repr, served))})")
+    return (f"quant_type={cfg.quant_type!r} (mori's combine-wire quantization; this backend serves "
+            f"{', '.join(map(repr, served))})")

@@ -18,17 +18,19 @@ import torch.distributed as dist
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
-from mori_jit.ops.ep.quant import combine_quant_gap, quant_spec, quantize
+from mori_jit.ops.ep.quant import COMBINE_WIRE_QUANTS, combine_quant_gap, quant_spec, quantize
 from mori_jit.ops.ep.backends.torch.reference import reference_combine, reference_dispatch
 from mori_jit.ops.ep.backends.torch.reference_moe import TorchMoeRouting, expert_layout, expert_map, expert_rows_sum, reference_replay
+from mori_jit.ops.ep.backends.torch.wire import CombineWire
 from mori_jit.ops.ep.backends.torch.split import empty_moe_outputs, fill_moe_outputs, post_combine, post_dispatch, post_replay
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpCapacityError
 
 __all__ = ["EpDispatchCombineOpTorch", "TORCH_COMBINE_QUANT_TYPES"]
 
-#: The combine-wire quantizations (mori's ``quant_type``) this backend serves.
-TORCH_COMBINE_QUANT_TYPES = ("none",)
+#: The combine-wire quantizations (mori's ``quant_type``) this backend serves: none, and each cast
+#: :mod:`~mori_jit.ops.ep.quant` defines.
+TORCH_COMBINE_QUANT_TYPES = ("none", *COMBINE_WIRE_QUANTS)
 
 
 class EpDispatchCombineOpTorch(EpDispatchCombineOp):
@@ -72,7 +74,8 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             return (group, cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
                     x, w, scales, indices, cfg.recv_capacity)
 
-        capacity = dict(expert_capacity=cfg.expert_capacity)  # (an overflow: every rank raises, nothing is sent)
+        capacity = dict(expert_capacity=cfg.expert_capacity)
+        wire = CombineWire.of(cfg)  # (an overflow: every rank raises, nothing is sent)
 
         def experts_of(out_idx, total):
             if not cfg.expert_counts:
@@ -100,7 +103,7 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
 
         def combine(_v, inp, weights, routing, out, out_w):
             with exchange("combine", 1) as ex:
-                y, y_w = reference_combine(group, routing, inp, weights, cfg.combine_dtype, exchange=ex)
+                y, y_w = reference_combine(group, routing, inp, weights, cfg.combine_dtype, exchange=ex, wire=wire)
             if out is not None:
                 y = out.copy_(y)
             if out_w is not None:
@@ -111,7 +114,7 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             # each receive row's entries summed here in float32, sent as float32: one rounding, at the end
             with exchange("combine_expert_major", 1) as ex:
                 rows = expert_rows_sum(routing.experts, inp, routing.total_recv)
-                y, _ = reference_combine(group, routing, rows, None, cfg.combine_dtype, exchange=ex)
+                y, _ = reference_combine(group, routing, rows, None, cfg.combine_dtype, exchange=ex, wire=wire)
             return out.copy_(y) if out is not None else y
 
         buffer = []  # the combine input buffer, made on first request (an op that never asks costs nothing)
@@ -151,7 +154,8 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
 
         def combine_send(_v, inp, weights, routing, out, out_w):
             with exchange("combine_send", 1) as ex:
-                return post_combine(group, routing, inp, weights, cfg.combine_dtype, out, out_w, exchange=ex)
+                return post_combine(group, routing, inp, weights, cfg.combine_dtype, out, out_w, exchange=ex,
+                                    wire=wire)
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=Schedule((None,), ((0, 0),), ((0, 0),)),
                          capabilities=frozenset({"scales", "gloo", "nccl", "host_collectives"}),

@@ -12,8 +12,9 @@ Semantics, exactly as the op's contract:
   its full ``weights[t, :]`` and ``indices[t, :]`` (and ``scales[t]`` when given).
 * Send order is grouped by destination rank ascending, tokens ascending within a group; received
   rows therefore come grouped by source rank ascending, tokens ascending within a source.
-* Combine sends every received row back to its source and sums the returned rows of each token in
-  float32 (an *unweighted* sum; the expert side applies the top-k weights).
+* Combine sends every received row back to its source (cast under ``quant_type``) and sums the
+  returned rows of each token in float32 in top-k slot order (an *unweighted* sum; the expert side
+  applies the top-k weights): :mod:`.wire`.
 * Every rank learns every rank's send counts (one ``all_gather``, :mod:`.counts`), so an error
   that the counts decide (a rank would receive more rows than its capacity, an expert more pairs
   than ``expert_capacity``) is raised on every rank, before any row moves. The collectives run
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from mori_jit.ops.ep.backends.torch.counts import gather_counts
+from mori_jit.ops.ep.backends.torch.wire import CombineWire, pack_combine, send_positions
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpArgumentError
 
@@ -59,6 +61,10 @@ class TorchRouting:
 
     num_tokens: int
     """``n``, the number of local tokens of the dispatch call (rows of combine's output)."""
+
+    send_pos: torch.Tensor
+    """int64 ``[sum(send_counts)]``: for each sent row, the token's first top-k slot on its
+    destination: where the returned row falls in the token's sum (:mod:`.wire`)."""
 
     @property
     def total_recv(self) -> int:
@@ -176,7 +182,9 @@ def reference_dispatch(
     mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
     # nonzero() on the transposed mask yields (dest, tok) in row-major order: grouped by
     # destination ascending, tokens ascending inside a group -- exactly the send order.
-    send_tok = mask.t().nonzero()[:, 1].contiguous()
+    pairs = mask.t().nonzero()
+    send_tok = pairs[:, 1].contiguous()
+    send_pos = send_positions(indices, pairs, world_size, num_experts_per_rank)
     send_counts, recv_counts = gather_counts(mask, indices, rank, world_size, num_experts_per_rank, recv_capacity,
                                              expert_capacity, ex)
     total = sum(recv_counts)
@@ -217,7 +225,7 @@ def reference_dispatch(
 
     total_recv = torch.tensor([total], dtype=torch.int32, device=device)
     routing = TorchRouting(recv_src=recv_src, send_counts=send_counts, recv_counts=recv_counts,
-                           send_tok=send_tok, num_tokens=n)
+                           send_tok=send_tok, num_tokens=n, send_pos=send_pos)
     return out, out_weights, out_scales, out_indices, total_recv, routing
 
 
@@ -228,6 +236,7 @@ def reference_combine(
     weights: torch.Tensor | None,
     out_dtype: torch.dtype,
     exchange: Exchange | None = None,
+    wire: CombineWire = CombineWire(),
 ):
     """Return each received row to its source and sum the rows of every token in float32.
 
@@ -242,6 +251,7 @@ def reference_combine(
         out_dtype: dtype of ``y``. Byte dtypes (fp8, uint8, ...) are refused: they can be moved
             but not summed.
         exchange: runs the collective (None: a plain blocking one on ``group``).
+        wire: the combine wire (``quant_type``): rows travel as it casts them (:mod:`.wire`).
 
     Returns:
         ``(y [n, H] out_dtype, y_w [n, k] f32 | None)``: ``y[t]`` is the float32 sum of the rows
@@ -257,26 +267,12 @@ def reference_combine(
         if not dt.is_floating_point or dt.itemsize == 1:
             raise EpArgumentError(f"combine sums rows; {what} dtype {dt} cannot be summed")
     device = expert_out.device
-    hidden = expert_out.shape[1]
-
-    fields = [_row_bytes(expert_out[:total])]
-    if weights is not None:
-        k = weights.shape[1]
-        fields.append(_row_bytes(weights[:total].to(device=device, dtype=torch.float32)))
+    fields, unpack = pack_combine(expert_out, weights, total, wire)
     send = _pack_rows(fields, None)
     # Reverse exchange: what we received from peer r goes back to r, and we get back exactly the
     # rows we sent, in our send order (which is routing.send_tok's order).
     back = torch.empty(sum(routing.send_counts), send.shape[1], dtype=torch.uint8, device=device)
     ex = exchange if exchange is not None else Exchange.plain(group)
     ex.all_to_all(back, send, routing.send_counts, routing.recv_counts)
-
-    n = routing.num_tokens
-    send_tok = routing.send_tok.to(device)
-    xw = hidden * expert_out.element_size()
-    rows = _from_row_bytes(back[:, :xw], expert_out.dtype, hidden).float()
-    y = torch.zeros(n, hidden, dtype=torch.float32, device=device).index_add_(0, send_tok, rows)
-    y_w = None
-    if weights is not None:
-        wrows = _from_row_bytes(back[:, xw:], torch.float32, k)
-        y_w = torch.zeros(n, k, dtype=torch.float32, device=device).index_add_(0, send_tok, wrows)
+    y, y_w = unpack(back, routing.send_tok.to(device), routing.send_pos.to(device), routing.num_tokens)
     return y.to(out_dtype), y_w

@@ -101,15 +101,17 @@ def expert_layout(m: ExpertMap, out: torch.Tensor, out_scales: Optional[torch.Te
 
 
 def expert_rows_sum(m: ExpertMap, expert_out: torch.Tensor, total: int) -> torch.Tensor:
-    """float32 ``[total, H]``: per receive row, the sum of its entries of ``expert_out [E, C, H]``.
-    Padding entries go to a spare row that is cut off, so whatever they hold never reaches a sum."""
+    """float32 ``[total, H]``: per receive row, the sum of its entries of ``expert_out [E, C, H]``,
+    from +0 in top-k slot order, as the ``expert_sum`` kernel adds them (one ``index_add_`` per slot,
+    each adding at most one entry per row). Padding entries are never read."""
     E, C, H = expert_out.shape
-    device = expert_out.device
-    row_of_entry = torch.full((E * C + 1,), total, dtype=torch.int64, device=device)
-    row_of_entry[m.dest] = torch.arange(m.dest.numel(), device=device) // m.topk
-    acc = torch.zeros(total + 1, H, dtype=torch.float32, device=device)
-    acc.index_add_(0, row_of_entry[: E * C], expert_out.reshape(E * C, H).float())
-    return acc[:total]
+    flat = expert_out.reshape(E * C, H).float()
+    dest = m.dest[: total * m.topk].view(total, m.topk)
+    acc = torch.zeros(total, H, dtype=torch.float32, device=expert_out.device)
+    for p in range(m.topk):
+        rows = (dest[:, p] < E * C).nonzero()[:, 0]
+        acc.index_add_(0, rows, flat[dest[rows, p]])
+    return acc
 
 
 def reference_replay(group, routing: TorchMoeRouting, x: torch.Tensor, weights: Optional[torch.Tensor],

@@ -22,6 +22,7 @@ import torch
 from mori_jit.ops.ep.backends.torch.counts import gather_counts
 from mori_jit.ops.ep.backends.torch.reference import (TorchRouting, _destination_mask, _from_row_bytes, _pack_rows,
                                                       _row_bytes)
+from mori_jit.ops.ep.backends.torch.wire import CombineWire, pack_combine, send_positions
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.results import EpExpertLayout
 
@@ -52,7 +53,9 @@ def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, n
     k, device = indices.shape[1], x.device
     ex = exchange if exchange is not None else Exchange.plain(group)
     mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
-    send_tok = mask.t().nonzero()[:, 1].contiguous()  # (dest, tok) in send order
+    pairs = mask.t().nonzero()  # (dest, tok) in send order
+    send_tok = pairs[:, 1].contiguous()
+    send_pos = send_positions(indices, pairs, world_size, num_experts_per_rank)
     send_counts, recv_counts = gather_counts(mask, indices, rank, world_size, num_experts_per_rank, recv_capacity,
                                              expert_capacity, ex)
     total = sum(recv_counts)
@@ -75,7 +78,7 @@ def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, n
         out_scales = torch.empty(recv_capacity, scales.shape[1], dtype=scales.dtype, device=device)
     total_recv = torch.empty(1, dtype=torch.int32, device=device)
     routing = TorchRouting(recv_src=recv_src.view(total), send_counts=send_counts, recv_counts=recv_counts,
-                           send_tok=send_tok, num_tokens=n)
+                           send_tok=send_tok, num_tokens=n, send_pos=send_pos)
 
     def receive() -> None:
         wait()
@@ -114,18 +117,16 @@ def post_replay(group, routing, x: torch.Tensor, weights: Optional[torch.Tensor]
 
 def post_combine(group, routing: TorchRouting, expert_out: torch.Tensor, weights: Optional[torch.Tensor],
                  out_dtype: torch.dtype, out: Optional[torch.Tensor], out_weights: Optional[torch.Tensor],
-                 exchange: Optional[Exchange] = None) -> tuple[tuple, Receive]:
+                 exchange: Optional[Exchange] = None, wire: CombineWire = CombineWire()) -> tuple[tuple, Receive]:
     """:func:`~.reference.reference_combine` as a send and a receive: ``(y, y_w)`` (``out`` /
     ``out_weights`` when given, else new; filled by the receive) and the receive."""
     total, device, hidden = routing.total_recv, expert_out.device, expert_out.shape[1]
-    fields = [_row_bytes(expert_out[:total])]
-    if weights is not None:
-        fields.append(_row_bytes(weights[:total].to(device=device, dtype=torch.float32)))
+    fields, unpack = pack_combine(expert_out, weights, total, wire)
     send = _pack_rows(fields, None)
     back = torch.empty(sum(routing.send_counts), send.shape[1], dtype=torch.uint8, device=device)
     ex = exchange if exchange is not None else Exchange.plain(group)
     wait = ex.post_all_to_all(back, send, routing.send_counts, routing.recv_counts)
-    n, send_tok = routing.num_tokens, routing.send_tok.to(device)
+    n = routing.num_tokens
     y = out if out is not None else torch.empty(n, hidden, dtype=out_dtype, device=device)
     y_w = None
     if weights is not None:
@@ -134,12 +135,10 @@ def post_combine(group, routing: TorchRouting, expert_out: torch.Tensor, weights
 
     def receive() -> None:
         wait()
-        xw = hidden * expert_out.element_size()
-        rows = _from_row_bytes(back[:, :xw], expert_out.dtype, hidden).float()
-        y.copy_(torch.zeros(n, hidden, dtype=torch.float32, device=device).index_add_(0, send_tok, rows))
+        y32, w32 = unpack(back, routing.send_tok.to(device), routing.send_pos.to(device), n)
+        y.copy_(y32)
         if y_w is not None:
-            wrows = _from_row_bytes(back[:, xw:], torch.float32, y_w.shape[1])
-            y_w.copy_(torch.zeros(y_w.shape, dtype=torch.float32, device=device).index_add_(0, send_tok, wrows))
+            y_w.copy_(w32)
 
     return (y, y_w), receive
 

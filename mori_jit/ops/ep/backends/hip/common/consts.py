@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mori_jit.jit.fields import CConst, CEnum
 
-__all__ = ["EpDType", "EpPhase", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS",
+__all__ = ["EpDType", "EpPhase", "EpCombineQuant", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS",
            "FlagUnit", "Stamp", "EP_STAMP_WORDS"]
 
 
@@ -42,6 +42,20 @@ class EpPhase(CEnum):
     Recv = 2
 
 
+class EpCombineQuant(CEnum):
+    """The combine wire's cast (the op's ``quant_type``; numerics: ``mori_jit/ops/ep/quant.py``): the
+    rows as they are; e4m3 bytes (one per element); e4m3 bytes and one 32-bit scale word per
+    128-element block (float32 bits, or the UE8M0 byte: ``combineScaleBytes``)."""
+
+    Plain = 0
+    Fp8Direct = 1
+    Fp8Block = 2
+
+    @classmethod
+    def _coerce_other(cls, value):
+        return {"none": cls.Plain, "fp8_direct_cast": cls.Fp8Direct, "fp8_blockwise": cls.Fp8Block}.get(str(value))
+
+
 class _U64Const(CConst):
     """Codes that kernels combine with 64-bit error words (underlying type uint64_t)."""
 
@@ -67,7 +81,8 @@ class CombWord(_U32Const):
     the home rank has summed is set back to kEmptyWord (the host fills the region with 0xFF bytes);
     a row the sender had no input for (a short input) arrives as kShortWord words. A data word equal
     to either (a NaN, of a bf16 pair or an fp32) is sent as kCanonWord, another NaN, so the home
-    rank never mistakes data for them."""
+    rank never mistakes data for them. An fp8 wire (EpCombineQuant) needs no such care: its casts
+    never make the byte 0xff, and its scale words are positive floats or single bytes."""
 
     kEmptyWord = 0xFFFFFFFF
     kShortWord = 0xFFFFFFFE

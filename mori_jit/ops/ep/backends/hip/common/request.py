@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from mori_jit.ops.ep.backends.hip.common.cfg import DISPATCH
-from mori_jit.ops.ep.backends.hip.common.consts import EpDType
+from mori_jit.ops.ep.backends.hip.common.consts import EpCombineQuant, EpDType
 from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus, check_pin, grid_budget
 from mori_jit.ops.ep.errors import EpConfigError
 
@@ -32,6 +32,9 @@ def kernel_fields(cfg, leg: str) -> dict:
               "dtype": ep_dtype(cfg.dispatch_dtype if leg == DISPATCH else cfg.combine_dtype)}
     if cfg.is_internode:
         fields["gpuPerNode"] = cfg.gpu_per_node
+    elif leg != DISPATCH and cfg.quant_type != "none":  # (the intranode combine's wire cast)
+        fields["combineQuant"] = EpCombineQuant.coerce(cfg.quant_type)
+        fields["combineScaleBytes"] = cfg.combine_scale_type_size
     return fields
 
 

@@ -18,10 +18,10 @@ from mori_jit.ops.ep import knobs
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, rule_problems
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.backends.hip.intranode.args import EP_ARGS, EP_MAX_PEERS, EP_REGIONS
-from mori_jit.ops.ep.backends.hip.common.consts import EP_STAMP_WORDS, EP_SYNC_WORDS, SYNC_PAIRS, CombWord, EpDType, EpPhase, ErrCode, FlagUnit, Stamp, SyncWord, WaitId, XdbRow
+from mori_jit.ops.ep.backends.hip.common.consts import EP_STAMP_WORDS, EP_SYNC_WORDS, SYNC_PAIRS, CombWord, EpCombineQuant, EpDType, EpPhase, ErrCode, FlagUnit, Stamp, SyncWord, WaitId, XdbRow
 from mori_jit.ops.ep.backends.hip.intranode.tuning import DEFAULT_COMBINE, DEFAULT_DISPATCH
 
-__all__ = ["EpDType", "EpPhase", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS", "FlagUnit",
+__all__ = ["EpDType", "EpPhase", "EpCombineQuant", "EpWireBytes", "CombWord", "WaitId", "ErrCode", "XdbRow", "SyncWord", "SYNC_PAIRS", "EP_SYNC_WORDS", "FlagUnit",
            "Stamp", "EP_STAMP_WORDS", "EpCfg", "EP_ARGS", "EP_REGIONS", "EP_MAX_PEERS", "EP_ROW_ALIGN", "EP_MAX_BLOCK_THREADS", "EP_MAX_BULK_SMEM", "EP_MAX_COUNTED_EXPERTS", "make_ep_cfg", "region_bytes",
            "EpElemBytes", "EpTokenBytes", "EpBlockThreads", "EpMaxRecv", "EpNumExperts", "EpIsValid", "EpRangeTok",
            "EpBulkStages", "EpBulkSmemBytes", "EpSummable", "DISPATCH", "COMBINE", "LAYOUT",
@@ -85,6 +85,13 @@ class EpCfg:
     # dispatch and combine: the whole leg, or its send or its receive half (the split legs,
     # EpPhase); a dispatch's receive runs on one block
     phase: EpPhase = EpPhase.Whole
+    # combine: the wire's cast (the op's quant_type, EpCombineQuant): every row, the home rank's own
+    # too, is cast to e4m3 (with its block scales) and the home rank sums the decoded values, as
+    # quant.py does, bit for bit; Plain moves the rows as they are
+    combineQuant: EpCombineQuant = EpCombineQuant.Plain
+    # combine, Fp8Block: the scale rule's bytes, 4 (float32) or 1 (UE8M0: a power of two); either
+    # travels as one 32-bit word per block
+    combineScaleBytes: int = 4
 
     def __post_init__(self):
         if not EpIsValid(self):
@@ -109,6 +116,13 @@ EpBulkStages = Derived("EpBulkStages", "EpCfg", where(C.bulkMinTokens > 0, 4, 0)
                        doc="rows in flight per dispatch block through the bulk-copy unit (0: none)")
 EpBulkSmemBytes = Derived("EpBulkSmemBytes", "EpCfg", EpBulkStages * EpTokenBytes,
                           doc="dynamic shared memory of a dispatch block: its bulk-copy stages")
+# A pushed combine row: the row itself, or its e4m3 bytes and (Fp8Block) one scale word per block,
+# the words padded to whole 16-byte vectors.
+EpWireBytes = Derived("EpWireBytes", "EpCfg",
+                      where(C.combineQuant.eq(EpCombineQuant.Plain), EpTokenBytes,
+                            C.hiddenDim + where(C.combineQuant.eq(EpCombineQuant.Fp8Block),
+                                                (C.hiddenDim / 128 * 4 + 15) / 16 * 16, 0)),
+                      doc="bytes of a combine row on the wire (comb_recv's row)")
 EpSummable = Derived("EpSummable", "EpCfg", SUMMABLE, ctype="bool",
                      doc="the dtype can be reduced (combine leg)")
 
@@ -140,6 +154,12 @@ _RULES: list[tuple[Any, str]] = [
                              & (C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(1)) & C.bulkMinTokens.eq(0)),
      "quantFp8Block128 needs dtype Fp8, hiddenDim a multiple of 128, scaleDim = hiddenDim / 128, scaleTypeSize 4 "
      "or 1, and bulkMinTokens 0 (the rows are cast in registers)"),
+    (C.combineQuant.eq(EpCombineQuant.Plain)
+     | ((C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32)) & (C.hiddenDim % 16).eq(0)
+        & (~C.combineQuant.eq(EpCombineQuant.Fp8Block)
+           | ((C.hiddenDim % 128).eq(0) & (C.combineScaleBytes.eq(4) | C.combineScaleBytes.eq(1))))),
+     "combineQuant needs dtype Bf16 or Fp32 and hiddenDim a multiple of 16; Fp8Block also hiddenDim a multiple "
+     "of 128 and combineScaleBytes 4 or 1"),
     (C.expertCapacity.eq(0) | ((C.expertCapacity >= 1) & C.expertCounts),
      "expertCapacity must be 0 (no expert-major layout) or >= 1 with expertCounts"),
     (~C.expertCounts | (EpNumExperts <= EP_MAX_COUNTED_EXPERTS),
@@ -160,9 +180,9 @@ def ep_cfg_problems(cfg: EpCfg) -> list[str]:
 
 
 register_header(GeneratedHeader(
-    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType, EpPhase], consts=[CombWord, WaitId, ErrCode, XdbRow, SyncWord, FlagUnit, Stamp], cfgs=[EpCfg],
+    "ep/ep_generated.hpp", "mori::ep", enums=[EpDType, EpPhase, EpCombineQuant], consts=[CombWord, WaitId, ErrCode, XdbRow, SyncWord, FlagUnit, Stamp], cfgs=[EpCfg],
     derived=[EpElemBytes, EpTokenBytes, EpBlockThreads, EpMaxRecv, EpNumExperts, EpRangeTok, EpBulkStages,
-             EpBulkSmemBytes, EpSummable, EpIsValid],
+             EpBulkSmemBytes, EpWireBytes, EpSummable, EpIsValid],
     args=[EP_ARGS]))
 
 
@@ -174,7 +194,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "disp_out": recv * EpTokenBytes(disp), "out_wts": recv * k * 4, "out_idx": recv * k * (8 if disp.ids64 else 4),
         "recv_to_src": recv * 4, "tok_off": m * k * 4, "recv_num": 2 * 4, "total_recv": 4,
         "src_to_recv": ws * m * 8,
-        "comb_recv": ws * m * EpTokenBytes(comb), "comb_recv_wts": ws * m * k * (8 if low else 4),
+        "comb_recv": ws * m * EpWireBytes(comb), "comb_recv_wts": ws * m * k * (8 if low else 4),
         "comb_flags": 0 if low else ws * m * 8,
         "xdb": len(XdbRow) * EP_MAX_PEERS * 8, "sync": EP_SYNC_WORDS * 8, "stamps": EP_STAMP_WORDS * 8,
         "out_scales": recv * disp.scaleDim * disp.scaleTypeSize,

@@ -1,0 +1,112 @@
+"""The combine's fp8 wire (``quant_type``) on the hip kernels, at every world size of
+``MORI_EP_TEST_WORLD_SIZES`` (ranks share a GPU under MPS where there are fewer GPUs): the CPU suite's
+job (exact golden of identity experts, error against the bf16 combine, saturation, zero-token ranks,
+the split legs, the expert-major combine), parity with the torch backend bit for bit on experts
+whose outputs differ by rank (so the order of the float32 sum matters), with and without weights,
+bf16 and float32 combines, both protocols; and a graph replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mori_jit.testing.cuda_graph import capture
+from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job
+from test_ep_combine_quant_cpu import EPR, H, K, M, WIRES, quant_cfg, wire_job
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
+
+#: combine_low_latency: the flag protocol, and every word its own signal
+PROTOCOLS = [False, True]
+
+
+def _dev():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _experts(out, rank, dtype):
+    """Expert outputs that differ by rank and by row: each rank's float32 terms differ, so a sum in
+    another order than the kernels' would round differently."""
+    rows = torch.arange(out.shape[0], device=out.device, dtype=torch.float32)[:, None]
+    return (out.float() * (1.0 + 0.37 * rank) + torch.sin(rows * 0.731 + rank)).to(dtype)
+
+
+def _parity_job(rank, ws, quant, scale_bytes, low):
+    """hip against torch, bit for bit: y and y_w of each call, bf16 and float32 combines."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
+    from mori_jit.testing.golden import make_inputs
+
+    gen = torch.Generator().manual_seed(4242 + rank)
+    for dtype in (torch.bfloat16, torch.float32):
+        fields = dict(data_type=dtype, combine_low_latency=low)
+        with EpDispatchCombineOp(quant_cfg(rank, ws, "hip", quant, scale_bytes, **fields)) as op, \
+                EpDispatchCombineOp(quant_cfg(rank, ws, "torch", quant, scale_bytes, data_type=dtype)) as ref:
+            for call, n in enumerate([M, [0, 5, M - 1, 9][rank % 4], 1 + rank, M]):
+                x, w, idx = make_inputs(rank, n, H, K, EPR * ws, dtype, _dev(), gen, drop_frac=0.2, world_size=ws)
+                w = w if call != 2 else None
+                res = op.dispatch(x, w, None, idx, return_result=True)
+                y, y_w = op.combine(_experts(res.out, rank, dtype), weights=res.out_weights, routing=res.routing)
+                on = ref.device
+                r = ref.dispatch(x.to(on), None if w is None else w.to(on), None, idx.to(on), return_result=True)
+                yr, yr_w = ref.combine(_experts(r.out, rank, dtype), weights=r.out_weights, routing=r.routing)
+                where = f"{quant}/{scale_bytes} {dtype} low={low} call {call} (rank {rank} of {ws})"
+                bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                diff = y.view(bits).cpu() != yr.view(bits).cpu()
+                assert not bool(diff.any()), f"{where}: {int(diff.sum())} elements differ from the torch backend"
+                assert (y_w is None) == (w is None) and (y_w is None or torch.equal(y_w.cpu(), yr_w.cpu())), where
+            op.check()
+
+
+def _graph_job(rank, ws, quant, scale_bytes, low):
+    """dispatch + combine captured once, replayed on new inputs: each replay equals the torch
+    backend's eager result bit for bit."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
+    from mori_jit.testing.golden import make_inputs
+
+    gen = torch.Generator().manual_seed(99 + rank)
+    with EpDispatchCombineOp(quant_cfg(rank, ws, "hip", quant, scale_bytes, combine_low_latency=low)) as op, \
+            EpDispatchCombineOp(quant_cfg(rank, ws, "torch", quant, scale_bytes)) as ref:
+        def inputs():
+            return make_inputs(rank, M, H, K, EPR * ws, torch.bfloat16, _dev(), gen, drop_frac=0.2, world_size=ws)
+
+        static = inputs()
+
+        def step():
+            res = op.dispatch(*static[:2], None, static[2], return_result=True)
+            return op.combine(res.out, weights=res.out_weights, routing=res.routing)
+
+        graph, (y, y_w) = capture(step)
+        for i in range(4):
+            torch.distributed.barrier()
+            for dst, src in zip(static, inputs()):
+                dst.copy_(src)
+            y.fill_(float("nan")), y_w.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            on = ref.device
+            r = ref.dispatch(*(t.to(on) for t in static[:2]), None, static[2].to(on), return_result=True)
+            yr, yr_w = ref.combine(r.out, weights=r.out_weights, routing=r.routing)
+            assert torch.equal(y.view(torch.int16).cpu(), yr.view(torch.int16).cpu()), f"replay {i}: y"
+            assert torch.equal(y_w.cpu(), yr_w.cpu()), f"replay {i}: y_w"
+        op.check()
+
+
+@pytest.mark.parametrize("low", PROTOCOLS, ids=["flags", "ll"])
+@pytest.mark.parametrize("quant, scale_bytes", WIRES)
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_hip_fp8_wire_matches_the_golden(ws, quant, scale_bytes, low):
+    run_ep_job(wire_job, ws, "hip", quant, scale_bytes, torch.int64, low)
+
+
+@pytest.mark.parametrize("low", PROTOCOLS, ids=["flags", "ll"])
+@pytest.mark.parametrize("quant, scale_bytes", WIRES)
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_hip_fp8_wire_is_the_torch_backends_bit_for_bit(ws, quant, scale_bytes, low):
+    run_ep_job(_parity_job, ws, quant, scale_bytes, low)
+
+
+@pytest.mark.parametrize("low", PROTOCOLS, ids=["flags", "ll"])
+@pytest.mark.parametrize("quant, scale_bytes", WIRES)
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_hip_fp8_wire_in_a_graph_replay(ws, quant, scale_bytes, low):
+    run_ep_job(_graph_job, ws, quant, scale_bytes, low)
