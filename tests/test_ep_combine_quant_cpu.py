@@ -18,6 +18,11 @@ from mori_jit.testing.distributed import run_distributed
 from mori_jit.testing.golden import make_inputs
 
 M, H, EPR, K = 16, 256, 3, 4
+
+
+def epr(ws: int) -> int:
+    """Experts per rank at ``ws`` ranks: EPR, or more where ws * EPR would be fewer than the top-k."""
+    return max(EPR, -(-K // ws))
 #: (quant_type, combine_scale_type_size): every wire this file runs
 WIRES = [("fp8_direct_cast", 4), ("fp8_blockwise", 4), ("fp8_blockwise", 1)]
 
@@ -78,7 +83,7 @@ def test_the_wire_fields_are_checked(fields, match):
 def quant_cfg(rank, ws, backend, quant, scale_bytes, **fields):
     """The config of the jobs below (``quant``: the combine wire; "none" for the bf16 reference)."""
     return EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=H, max_num_inp_token_per_rank=M,
-                                   num_experts_per_rank=EPR, num_experts_per_token=K, kernel_backend=backend,
+                                   num_experts_per_rank=epr(ws), num_experts_per_token=K, kernel_backend=backend,
                                    quant_type=quant, combine_scale_type_size=scale_bytes, **fields)
 
 
@@ -92,8 +97,8 @@ def golden_identity_sum(x, idx, ws, quant, scale_bytes, dtype):
     (every term is the same, so the order does not matter), rounded once."""
     v = cast_values(x, quant, scale_bytes)
     ids = idx.long()
-    ok = (ids >= 0) & (ids < EPR * ws)
-    dest = torch.where(ok, ids // EPR, torch.full_like(ids, ws))
+    ok = (ids >= 0) & (ids < epr(ws) * ws)
+    dest = torch.where(ok, ids // epr(ws), torch.full_like(ids, ws))
     hits = torch.zeros(x.shape[0], ws + 1, dtype=torch.bool, device=x.device).scatter_(1, dest, True)[:, :ws]
     acc = torch.zeros_like(v)
     for r in range(ws):
@@ -119,7 +124,7 @@ def wire_job(rank, ws, backend, quant, scale_bytes, index_dtype=torch.int32, low
             EpDispatchCombineOp(quant_cfg(rank, ws, "torch", "none", 4, index_dtype=index_dtype)) as ref:
         dev = op.device
         for call, (n, scale, with_w) in enumerate(calls(rank, ws)):
-            x, w, idx = make_inputs(rank, n, H, K, EPR * ws, torch.bfloat16, dev, gen, drop_frac=0.2, world_size=ws,
+            x, w, idx = make_inputs(rank, n, H, K, epr(ws) * ws, torch.bfloat16, dev, gen, drop_frac=0.2, world_size=ws,
                                     index_dtype=index_dtype)
             x = (x.float() * scale).to(torch.bfloat16)
             w = w if with_w else None
@@ -154,8 +159,8 @@ def expert_major_check(op, res, x, idx, ws, quant, scale_bytes, where):
     lay = res.expert
     y = op.combine_expert_major(lay.x.clone(), routing=res.routing)
     ids = idx.long()
-    ok = (ids >= 0) & (ids < EPR * ws)
-    dest = torch.where(ok, ids // EPR, torch.full_like(ids, ws))
+    ok = (ids >= 0) & (ids < epr(ws) * ws)
+    dest = torch.where(ok, ids // epr(ws), torch.full_like(ids, ws))
     xf = x.float()
     acc = torch.zeros_like(xf)
     for r in range(ws):  # per destination: its entries' local sum (m copies of the row), then the cast

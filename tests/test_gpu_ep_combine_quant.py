@@ -11,7 +11,7 @@ import torch
 
 from mori_jit.testing.cuda_graph import capture
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job
-from test_ep_combine_quant_cpu import EPR, H, K, M, WIRES, quant_cfg, wire_job
+from test_ep_combine_quant_cpu import H, K, M, WIRES, epr, quant_cfg, wire_job
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
@@ -42,7 +42,7 @@ def _parity_job(rank, ws, quant, scale_bytes, low):
         with EpDispatchCombineOp(quant_cfg(rank, ws, "hip", quant, scale_bytes, **fields)) as op, \
                 EpDispatchCombineOp(quant_cfg(rank, ws, "torch", quant, scale_bytes, data_type=dtype)) as ref:
             for call, n in enumerate([M, [0, 5, M - 1, 9][rank % 4], 1 + rank, M]):
-                x, w, idx = make_inputs(rank, n, H, K, EPR * ws, dtype, _dev(), gen, drop_frac=0.2, world_size=ws)
+                x, w, idx = make_inputs(rank, n, H, K, epr(ws) * ws, dtype, _dev(), gen, drop_frac=0.2, world_size=ws)
                 w = w if call != 2 else None
                 res = op.dispatch(x, w, None, idx, return_result=True)
                 y, y_w = op.combine(_experts(res.out, rank, dtype), weights=res.out_weights, routing=res.routing)
@@ -67,7 +67,7 @@ def _graph_job(rank, ws, quant, scale_bytes, low):
     with EpDispatchCombineOp(quant_cfg(rank, ws, "hip", quant, scale_bytes, combine_low_latency=low)) as op, \
             EpDispatchCombineOp(quant_cfg(rank, ws, "torch", quant, scale_bytes)) as ref:
         def inputs():
-            return make_inputs(rank, M, H, K, EPR * ws, torch.bfloat16, _dev(), gen, drop_frac=0.2, world_size=ws)
+            return make_inputs(rank, M, H, K, epr(ws) * ws, torch.bfloat16, _dev(), gen, drop_frac=0.2, world_size=ws)
 
         static = inputs()
 
