@@ -28,6 +28,9 @@ class EpKnobs(Group):
                                        "the device reports only that share of its SMs, which is then a rank's "
                                        "grid budget as it is (NVSHMEM needs it with several PEs on one GPU; the "
                                        "GPU test harness sets it)")
+    mask_on_timeout = BoolSetting("MORI_EP_MASK_ON_TIMEOUT", False,
+                                  "mask the peer a timed-out kernel wait names (op.mask_rank), so that the next "
+                                  "op.reset() runs among the survivors (docs/design.md §6, \"Rank masking\")")
     hip_split = BoolSetting("MORI_EP_HIP_SPLIT", False,
                             "let the hip backend serve split_send_recv=True (its send and receive kernels build, "
                             "but have not yet passed the GPU suite; the torch backend's split has)")
