@@ -8,6 +8,7 @@ survivors' group, plus the op's count of the pairs it dropped for them.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
@@ -114,9 +115,10 @@ def lost_rank_job(rank: int, ws: int, backend: str, moe: bool, device, gone: int
     for _ in range(2):
         checked_round(op, gen, device)
     if rank == gone:
-        if how == "exit":
-            os._exit(0)
-        os.kill(os.getpid(), 19)  # SIGSTOP: the harness kills it at the end
+        if how == "stop":  # stalled: it resumes (SIGCONT from a survivor) only to leave
+            _store().set("stopped", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)  # (no cleanup, as after kill -9: its connections close, its GPU context goes)
     from mori_jit.ops.ep import knobs
     bound = 2 * knobs.ep.timeout_s
     start = time.monotonic()
@@ -138,4 +140,55 @@ def lost_rank_job(rank: int, ws: int, backend: str, moe: bool, device, gone: int
     op.reset()
     for _ in range(rounds):
         checked_round(op, gen, device, masked=(gone,))
-    op.close()
+    op.close()  # (among the survivors; the arena is let go of, not released: its release is collective)
+    if how == "stop" and rank == min(live_of(ws, (gone,))):
+        _wait_for_key("stopped")
+        os.kill(int(_store().get("stopped")), signal.SIGCONT)
+
+
+def _wait_for_key(key: str, timeout: float = 120.0) -> None:
+    store, end = _store(), time.monotonic() + timeout
+    while not store.check([key]):
+        assert time.monotonic() < end, f"{key} never set"
+        time.sleep(0.05)
+
+
+def graph_after_mask_job(rank: int, ws: int, device, gone: int) -> None:
+    """A dispatch + combine captured in a graph before rank ``gone`` is masked replays correctly
+    after: the kernels read the mask at every replay (hip backend)."""
+    from mori_jit.testing.cuda_graph import capture
+
+    gen = torch.Generator().manual_seed(300 + rank)
+    op = EpDispatchCombineOp(config(rank, ws, "hip", False))
+    cfg = op.cfg
+    x, w, idx = make_inputs(rank, cfg.max_num_inp_token_per_rank, cfg.hidden_dim, cfg.num_experts_per_token,
+                            cfg.num_experts, cfg.dispatch_dtype, device, gen)
+    y = torch.empty_like(x, dtype=cfg.combine_dtype)
+    y_w = torch.empty_like(w)
+
+    def step():
+        out, out_w, _, out_idx, total, routing = op.dispatch(x, w, None, idx, return_routing=True)
+        op.combine(out, weights=out_w, routing=routing, out=y, out_weights=y_w)
+        return out, out_w, out_idx, total, routing.recv_src
+
+    graph, outs = capture(step)
+    for masked in ((), (gone,)):
+        if rank in masked:
+            break
+        if masked:
+            op.mask_rank(gone)
+        for _ in range(3):
+            y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            op.check()
+            group = survivors_group(op.group, live_of(ws, masked)) if masked else op.group
+            assert int(op.masked_pairs.item()) == masked_pairs(idx, ws, cfg.num_experts_per_rank, masked)
+            golden_check(group, rank, ws, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank, x, w, idx,
+                         outs[0], outs[1], outs[2], outs[3], outs[4], y, y_w, masked=masked)
+    if rank != gone:
+        _store().add("graph_done", 1)
+        del graph
+        op.close()
+    else:
+        _wait_for("graph_done", ws - 1)  # (its op is let go of with the process)

@@ -201,7 +201,7 @@ struct Sender {
   MORI_DEVICE int Send(int q) {
     constexpr bool kLow = kCfg.lowLatency;
     const int b = q / kDests, d = Dest(q), rank = args.rank;
-    const bool live = b < NumRanges<kCfg>(int(numTok[d]));  // block-uniform
+    const bool live = b < NumRanges<kCfg>(int(numTok[d])) && !Masked(args, d);  // block-uniform
     if (live) {
       vec16_t* dst = At<vec16_t>(args, d, args.off_comb_recv) + size_t(rank * kM + b * kRangeTok<kCfg>) * kVecs;
       CombWeight<kLow>* dstW = At<CombWeight<kLow>>(args, d, args.off_comb_recv_wts) + size_t(rank * kM + b * kRangeTok<kCfg>) * kK;

@@ -79,9 +79,9 @@ class RankMask:
         if r == self.rank:
             raise EpArgumentError(f"rank={r}: a rank does not mask itself (its peers mask it)")
         if self.tensor is None:
-            raise EpUnsupportedError(f"{type(self._op).__name__} ({'internode' if self._op.cfg.is_internode else ''}"
-                                     f" kernels) does not serve rank masking; the intranode hip kernels and the "
-                                     f"torch backend do")
+            what = "the internode kernels" if self._op.cfg.is_internode else type(self._op).__name__
+            raise EpUnsupportedError(f"rank masking (mask_rank({r})): {what} do not serve it; the intranode hip "
+                                     f"kernels and the torch backend do")
         if masked == (r in self.masked):
             return
         self.masked = self.masked | {r} if masked else self.masked - {r}
