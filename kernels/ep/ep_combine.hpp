@@ -38,7 +38,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   int maxRanges = 0;
 #pragma unroll
   for (int d = 0; d < kWs; ++d)
-    if (d != rank) maxRanges = max(maxRanges, NumRanges<kCfg>(int(numTok[d])));
+    if (d != rank && !Masked(args, d)) maxRanges = max(maxRanges, NumRanges<kCfg>(int(numTok[d])));
   // (maxRanges is 0 on one rank: no peers)
   const uint64_t target = CombEpoch(args) + 1;  // (read after the loads above are issued: none waits for it)
   const int parity = int(target & 1);
@@ -52,7 +52,7 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
     // memory latency before the first push). The stores below depend on that read's value, and no
     // GPU performs a store before the load that decides it returns; the peer counted only after
     // its reads of comb_recv were done (FenceBlockLocalDevice), as NCCL returns a receive credit.
-    if (threadIdx.x < kWs && threadIdx.x != rank && start.done < (target - 1) * kDoneUnit)
+    if (threadIdx.x < kWs && threadIdx.x != rank && start.done < (target - 1) * kDoneUnit && !Masked(args, threadIdx.x))
       WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + threadIdx.x, (target - 1) * kDoneUnit, kWaitCombineDone,
                   threadIdx.x);
     sender.Publish();
@@ -82,7 +82,8 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
         RecordError(args, kErrShortInput, uint64_t(rank) << 16, (uint64_t(total) << 32) | uint32_t(args.inpRows));
     }
     const uint64_t share = BlockShare();
-    for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbCombine) + rank, share);
+    for (int pe = 0; pe < kWs; ++pe)
+      if (!Masked(args, pe)) plat::add_relaxed_system(XdbFlags(args, pe, kXdbCombine) + rank, share);
     if (seen) {  // (after the counts: the fence before them would wait for these atomics)
       StampMax(args, kStCombFlagsSeen, seen);
       StampMax(args, kStCombSummed, summed);

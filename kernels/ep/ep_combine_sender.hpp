@@ -222,7 +222,7 @@ struct Sender {
   MORI_DEVICE int Send(int q) {
     constexpr bool kLow = kCfg.lowLatency;
     const int b = q / kDests, d = Dest(q), rank = args.rank;
-    const bool live = b < NumRanges<kCfg>(int(numTok[d]));  // block-uniform
+    const bool live = b < NumRanges<kCfg>(int(numTok[d])) && !Masked(args, d);  // block-uniform
     if (live) {
       const size_t row0 = size_t(rank * kM + b * kRangeTok<kCfg>);
       char* dst = At<char>(args, d, args.off_comb_recv) + row0 * EpWireBytes(kCfg);

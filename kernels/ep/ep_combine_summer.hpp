@@ -155,7 +155,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   if constexpr (!kLow) {
     // One poller per peer and block (a poller per wave measured slower: the polls load the memory
     // system the senders use).
-    if (threadIdx.x < kWs && threadIdx.x != rank) {
+    if (threadIdx.x < kWs && threadIdx.x != rank && !Masked(args, threadIdx.x)) {
       const uint64_t* flags = At<uint64_t>(args, rank, args.off_comb_flags);
       const uint64_t got = WaitAtLeast(args, flags + threadIdx.x * kM + b, RangeFlag(target, false), kWaitCombineRange,
                                        threadIdx.x);

@@ -19,6 +19,13 @@ MORI_DEVICE P* At(const EpArgs& a, int pe, uint64_t off) {
   return reinterpret_cast<P*>(a.peerBase[pe] + off);
 }
 
+// Rank masking: a masked rank's experts are dropped at the claim, and no kernel sends to, counts
+// for or waits for it (the op writes rank_mask between calls; each kernel reads it, so a captured
+// graph follows a change).
+MORI_DEVICE bool Masked(const EpArgs& a, int pe) { return At<const int>(a, a.rank, a.off_rank_mask)[pe] != 0; }
+// The dispatch's count of the (token, expert) pairs it dropped for a masked rank: two words by
+// epoch parity, then the last dispatch's (published by its block 0).
+MORI_DEVICE unsigned* MaskedPairs(const EpArgs& a) { return At<unsigned>(a, a.rank, a.off_masked_pairs); }
 MORI_DEVICE uint64_t* SyncWords(const EpArgs& a) { return At<uint64_t>(a, a.rank, a.off_sync); }
 // The word of claim counter w (a pair of the sync words) that a combine of epoch parity p (its
 // epoch & 1) uses; the count is its low 32 bits (Claims).

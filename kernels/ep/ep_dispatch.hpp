@@ -106,7 +106,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     // Before the first store into a peer's arena: the peer has finished its last combine, which may
     // still read rows there. Threads of the last wave wait (normally one load) while the first ones
     // claim; the claim's closing barrier orders the wait before every copy.
-    if (threadIdx.x >= blockDim.x - kWs) {
+    if (threadIdx.x >= blockDim.x - kWs && !Masked(args, threadIdx.x - (blockDim.x - kWs))) {
       const int pe = threadIdx.x - (blockDim.x - kWs);
       WaitAtLeast(args, XdbFlags(args, rank, kXdbCombine) + pe, CombEpoch(args) * kDoneUnit, kWaitCombineDone, pe);
     }
@@ -188,11 +188,13 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     // are visible system-wide, one relaxed add per rank (block 0 first publishes this rank's token
     // count), its share of kDoneUnit (BlockShare). No block waits for another before its news leaves.
     if (threadIdx.x == 0 && blockIdx.x == 0)  // (n bounds each peer's combine sends to this rank)
-      for (int pe = 0; pe < kWs; ++pe) XdbFlags(args, pe, kXdbNumTok)[rank] = uint64_t(n);
+      for (int pe = 0; pe < kWs; ++pe)
+        if (!Masked(args, pe)) XdbFlags(args, pe, kXdbNumTok)[rank] = uint64_t(n);
     FenceBlockSystem();
     if (threadIdx.x == 0) {
       const uint64_t share = BlockShare();
-      for (int pe = 0; pe < kWs; ++pe) plat::add_relaxed_system(XdbFlags(args, pe, kXdbDispatch) + rank, share);
+      for (int pe = 0; pe < kWs; ++pe)
+        if (!Masked(args, pe)) plat::add_relaxed_system(XdbFlags(args, pe, kXdbDispatch) + rank, share);
       StampMax(args, kStDispCounted, plat::now_ns());
     }
   }
@@ -202,7 +204,7 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
   // its claims; a receive kernel's own rank's are done by stream order), then publish the count
   // and advance the epoch. One wait covers the local blocks and the peers at once.
   if (blockIdx.x != 0) return;
-  if (threadIdx.x < kWs)
+  if (threadIdx.x < kWs && !Masked(args, threadIdx.x))
     WaitAtLeast(args, XdbFlags(args, rank, kXdbDispatch) + threadIdx.x, target * kDoneUnit, kWaitDispatchDone,
                 threadIdx.x);
   __syncthreads();
@@ -222,6 +224,9 @@ MORI_DEVICE void EpDispatchBody(const EpArgs& args) {
     StampAt(args, kStDispPeersDone);
     int* recvNum = At<int>(args, rank, args.off_recv_num);
     if (!replay) *At<int>(args, rank, args.off_total_recv) = plat::load_volatile(recvNum + parity);
+    unsigned* drops = MaskedPairs(args);  // (this rank's blocks are done: their adds are in)
+    if (!replay) drops[2] = unsigned(plat::load_volatile(reinterpret_cast<const int*>(drops + parity)));
+    drops[parity] = 0;
     // A peer next claims on this counter two epochs on: only after it has counted this rank's
     // next dispatch done, which follows this reset.
     recvNum[parity] = 0;

@@ -83,11 +83,15 @@ MORI_DEVICE void ClaimSlots(const EpArgs& args, int parity, int r0, int num, Dis
     const bool active = sub < kTokPerPass && li < num;
     int pe = -1, expert = -1;
     float weight = 0.f;
+    bool dropped = false;  // a valid id of a masked rank's expert: dropped as an invalid one, and counted
     if (active) {
       expert = LoadExpertId<kCfg>(args, t * kK + j);
       if (withWeights) weight = args.inpWeights[t * kK + j];
       if (expert >= 0 && expert < EpNumExperts(kCfg)) pe = expert / kCfg.numExpertPerRank;
+      if (pe >= 0 && Masked(args, pe)) pe = -1, dropped = true;
     }
+    const uint64_t drops = plat::ballot(dropped);
+    if (lane == 0 && drops) plat::atomic_add_device(MaskedPairs(args) + parity, unsigned(plat::popcount(drops)));
     bool first = pe >= 0;
 #pragma unroll
     for (int l = 0; l < kK; ++l) {

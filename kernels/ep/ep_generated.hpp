@@ -103,6 +103,8 @@ struct EpArgs {
   uint64_t off_out_scales;  // received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales
   uint64_t off_expert_adds;  // received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts
   uint64_t off_expert_counts;  // the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts
+  uint64_t off_rank_mask;  // masked ranks [EP_MAX_PEERS] i32, 1 = masked: their experts dropped, no send, count or wait for them (local; the op writes it, every call reads it)
+  uint64_t off_masked_pairs;  // (token, expert) pairs dropped for a masked rank [3] u32: two by epoch parity (this rank's blocks add), then the last dispatch's (local)
   uint64_t off_exp_cursor;  // expert-major layout: next entry per local expert [numExpertPerRank] u32 (local; the dispatch zeroes it, the layout kernel claims); none without expertCapacity
   uint64_t off_exp_x;  // expert-major layout: rows [numExpertPerRank, expertCapacity, tokenBytes] (local)
   uint64_t off_exp_scales;  // expert-major layout: scales [numExpertPerRank, expertCapacity, scaleDim * scaleTypeSize bytes] (local)
@@ -140,15 +142,17 @@ static_assert(offsetof(EpArgs, off_stamps) == 240, "EpArgs.off_stamps moved");
 static_assert(offsetof(EpArgs, off_out_scales) == 248, "EpArgs.off_out_scales moved");
 static_assert(offsetof(EpArgs, off_expert_adds) == 256, "EpArgs.off_expert_adds moved");
 static_assert(offsetof(EpArgs, off_expert_counts) == 264, "EpArgs.off_expert_counts moved");
-static_assert(offsetof(EpArgs, off_exp_cursor) == 272, "EpArgs.off_exp_cursor moved");
-static_assert(offsetof(EpArgs, off_exp_x) == 280, "EpArgs.off_exp_x moved");
-static_assert(offsetof(EpArgs, off_exp_scales) == 288, "EpArgs.off_exp_scales moved");
-static_assert(offsetof(EpArgs, off_exp_wts) == 296, "EpArgs.off_exp_wts moved");
-static_assert(offsetof(EpArgs, off_exp_maps) == 304, "EpArgs.off_exp_maps moved");
-static_assert(offsetof(EpArgs, off_exp_entry) == 312, "EpArgs.off_exp_entry moved");
-static_assert(offsetof(EpArgs, inpScales) == 320, "EpArgs.inpScales moved");
-static_assert(offsetof(EpArgs, replay) == 328, "EpArgs.replay moved");
-static_assert(sizeof(EpArgs) == 336, "EpArgs size changed");
+static_assert(offsetof(EpArgs, off_rank_mask) == 272, "EpArgs.off_rank_mask moved");
+static_assert(offsetof(EpArgs, off_masked_pairs) == 280, "EpArgs.off_masked_pairs moved");
+static_assert(offsetof(EpArgs, off_exp_cursor) == 288, "EpArgs.off_exp_cursor moved");
+static_assert(offsetof(EpArgs, off_exp_x) == 296, "EpArgs.off_exp_x moved");
+static_assert(offsetof(EpArgs, off_exp_scales) == 304, "EpArgs.off_exp_scales moved");
+static_assert(offsetof(EpArgs, off_exp_wts) == 312, "EpArgs.off_exp_wts moved");
+static_assert(offsetof(EpArgs, off_exp_maps) == 320, "EpArgs.off_exp_maps moved");
+static_assert(offsetof(EpArgs, off_exp_entry) == 328, "EpArgs.off_exp_entry moved");
+static_assert(offsetof(EpArgs, inpScales) == 336, "EpArgs.inpScales moved");
+static_assert(offsetof(EpArgs, replay) == 344, "EpArgs.replay moved");
+static_assert(sizeof(EpArgs) == 352, "EpArgs size changed");
 
 }  // namespace mori::ep
 #endif  // MORI_JIT_GEN_EP_EP_GENERATED_HPP

@@ -10,6 +10,10 @@ and never calls the implementation under test (nor ``reference.py``): with an id
 * ``y[t] == U[t] * x[t]`` and ``y_w[t] == U[t] * weights[t]``, ``U[t]`` = number of distinct valid
   destination ranks of token t.
 
+With ``masked`` ranks (the op's rank masking), the same check with those ranks' experts removed: a
+masked rank's ids count as invalid for the routing (they still travel in the rows' ids), it passes
+no tokens, and ``group`` is the survivors' (its ranks are the live ones, ascending).
+
 It works with any process group (gloo gathers raw bytes, so bf16/fp8 are fine) and any device.
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["golden_check", "make_inputs", "default_tolerance"]
+__all__ = ["golden_check", "make_inputs", "default_tolerance", "live_of", "masked_pairs"]
 
 
 def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -44,21 +48,36 @@ def _bytes2d(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(rows, cols * t.element_size())
 
 
-def _all_gather(group, world_size: int, t: torch.Tensor) -> list[torch.Tensor]:
+def live_of(world_size: int, masked=()) -> tuple[int, ...]:
+    """The ranks of ``range(world_size)`` not in ``masked``."""
+    return tuple(r for r in range(world_size) if r not in set(masked))
+
+
+def masked_pairs(indices: torch.Tensor, world_size: int, epr: int, masked=()) -> int:
+    """How many (token, expert) pairs of ``indices`` name a valid expert of a ``masked`` rank."""
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < epr * world_size)
+    dest = idx.div(epr, rounding_mode="floor")
+    return int((valid & torch.isin(dest, torch.tensor(list(masked), dtype=torch.int64, device=idx.device))).sum())
+
+
+def _all_gather(group, world_size: int, t: torch.Tensor, masked=()) -> list[torch.Tensor]:
     """``all_gather`` of ``t`` on ``t``'s device; through the host where the group is gloo (whose
-    gather takes host tensors), e.g. ranks that share a GPU."""
+    gather takes host tensors), e.g. ranks that share a GPU. A ``masked`` rank is not in ``group``
+    (the survivors'): its part is zeros."""
     via = t.cpu() if dist.get_backend(group) == "gloo" else t
-    parts = [torch.empty_like(via) for _ in range(world_size)]
-    dist.all_gather(parts, via, group=group)
+    live = live_of(world_size, masked)
+    parts = [torch.zeros_like(via) for _ in range(world_size)]
+    dist.all_gather([parts[r] for r in live], via, group=group)
     return [p.to(t.device) for p in parts]
 
 
-def _gather_padded(group, world_size: int, rows_max: int, t: torch.Tensor) -> torch.Tensor:
+def _gather_padded(group, world_size: int, rows_max: int, t: torch.Tensor, masked=()) -> torch.Tensor:
     """all_gather ``t [n <= rows_max, C]`` from every rank as bytes; returns uint8 ``[ws, rows_max, C*es]``."""
     b = _bytes2d(t)
     pad = torch.zeros(rows_max, b.shape[1], dtype=torch.uint8, device=t.device)
     pad[: b.shape[0]] = b
-    return torch.stack(_all_gather(group, world_size, pad))
+    return torch.stack(_all_gather(group, world_size, pad, masked))
 
 
 def _as_dtype(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,8 +85,11 @@ def _as_dtype(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.contiguous().view(dtype)
 
 
-def _dest_hits(idx: torch.Tensor, rank: int, world_size: int, epr: int) -> torch.Tensor:
-    """bool ``[rows]``: does any valid slot of each token have an expert on ``rank``?"""
+def _dest_hits(idx: torch.Tensor, rank: int, world_size: int, epr: int, masked=()) -> torch.Tensor:
+    """bool ``[rows]``: does any valid slot of each token have an expert on ``rank`` (none on a
+    ``masked`` rank: its experts are removed)?"""
+    if rank in masked:
+        return torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     idx = idx.long()
     valid = (idx >= 0) & (idx < epr * world_size)
     return (valid & (idx.div(epr, rounding_mode="floor") == rank)).any(dim=1)
@@ -123,6 +145,7 @@ def golden_check(
     out_scales: torch.Tensor | None = None,
     atol: float | None = None,
     rtol: float | None = None,
+    masked=(),
 ) -> None:
     """Check one rank's dispatch (and optionally combine) result against the inputs of all ranks.
 
@@ -140,6 +163,8 @@ def golden_check(
         scales, out_scales: per-token scales and their dispatched copy (checked bitwise if given).
         atol, rtol: tolerance for ``y`` (default by ``y.dtype``, see :func:`default_tolerance`);
             ``y_w`` is float32 and always uses ``(1e-6, 1e-5)``.
+        masked: ranks whose experts are removed (the module's last paragraph); ``group`` is then
+            the live ranks' group and only they call this.
 
     Raises:
         AssertionError: naming the rank, the row/token, and what differs.
@@ -153,21 +178,21 @@ def golden_check(
 
     # ---- gather every rank's inputs (all collectives first) -------------------------------------
     n_t = torch.tensor([n], dtype=torch.int64, device=device)
-    ns = _all_gather(group, ws, n_t)
+    ns = _all_gather(group, ws, n_t, masked)
     all_n = [int(v.item()) for v in ns]
-    all_x = _gather_padded(group, ws, M, x).reshape(ws * M, -1)           # bytes
-    all_w = _gather_padded(group, ws, M, weights.to(torch.float32)).reshape(ws * M, -1)
-    all_i = _gather_padded(group, ws, M, indices.to(torch.int64)).reshape(ws * M, -1)  # (int64 ids: no wrap)
+    all_x = _gather_padded(group, ws, M, x, masked).reshape(ws * M, -1)           # bytes
+    all_w = _gather_padded(group, ws, M, weights.to(torch.float32), masked).reshape(ws * M, -1)
+    all_i = _gather_padded(group, ws, M, indices.to(torch.int64), masked).reshape(ws * M, -1)  # (int64 ids: no wrap)
     all_s = None
     if scales is not None:
-        all_s = _gather_padded(group, ws, M, scales).reshape(ws * M, -1)
+        all_s = _gather_padded(group, ws, M, scales, masked).reshape(ws * M, -1)
 
     # ---- the set of rows this rank must receive -------------------------------------------------
     idx_all = _as_dtype(all_i, torch.int64).reshape(ws * M, k)
     exist = torch.zeros(ws * M, dtype=torch.bool, device=device)
     for s in range(ws):
         exist[s * M : s * M + all_n[s]] = True
-    expected = (exist & _dest_hits(idx_all, rank, ws, epr)).nonzero().flatten()  # sorted ids
+    expected = (exist & _dest_hits(idx_all, rank, ws, epr, masked)).nonzero().flatten()  # sorted ids
 
     if total_recv.numel() != 1:
         _fail(rank, f"total_recv must have 1 element, has shape {tuple(total_recv.shape)}")
@@ -229,7 +254,7 @@ def golden_check(
     # ---- combine: U[t] * x[t] -------------------------------------------------------------------
     U = torch.zeros(n, dtype=torch.float32, device=device)
     for r in range(ws):
-        U += _dest_hits(indices.to(device), r, ws, epr).float()
+        U += _dest_hits(indices.to(device), r, ws, epr, masked).float()
 
     def close(what: str, got: torch.Tensor, want: torch.Tensor, a: float, r: float) -> None:
         if tuple(got.shape) != tuple(want.shape):

@@ -43,25 +43,26 @@ def golden_quantize(x: torch.Tensor, scale_type_size: int, block: int = 128) -> 
 def golden_check_experts(group, rank: int, world_size: int, max_tokens_per_rank: int, num_experts_per_rank: int,
                          x: torch.Tensor, weights: torch.Tensor | None, indices: torch.Tensor,
                          counts: torch.Tensor, layout, *, scales: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None, recv_src: torch.Tensor | None = None) -> None:
+                         out: torch.Tensor | None = None, recv_src: torch.Tensor | None = None, masked=()) -> None:
     """Check one rank's expert counts and (``layout`` not None) expert-major layout.
 
     Collective (gathers every rank's ``x``/``weights``/``indices``/``scales``; every rank passes the
     same choices of None). ``x`` and ``scales`` are what the receiver must get (under in-op
     quantization: :func:`golden_quantize` of the input). ``out``/``recv_src`` (the receive rows
-    and their sources), if given, must agree with the layout's ``recv_row`` map.
+    and their sources), if given, must agree with the layout's ``recv_row`` map. ``masked``: as
+    :func:`.golden.golden_check`'s (the survivors' group; a masked rank passes no tokens).
 
     Raises:
         AssertionError naming the rank, the expert, the entry and what differs.
     """
     M, ws, E = max_tokens_per_rank, world_size, num_experts_per_rank
     n, k, device = x.shape[0], indices.shape[1], x.device
-    all_n = [int(v.item()) for v in _all_gather(group, ws, torch.tensor([n], device=device))]
-    all_x = _gather_padded(group, ws, M, x).reshape(ws * M, -1)
-    all_w = None if weights is None else _gather_padded(group, ws, M, weights.float()).reshape(ws * M, -1).view(
-        torch.float32)
-    all_i = _gather_padded(group, ws, M, indices.to(torch.int64)).reshape(ws * M, -1).view(torch.int64)
-    all_s = None if scales is None else _gather_padded(group, ws, M, scales).reshape(ws * M, -1)
+    all_n = [int(v.item()) for v in _all_gather(group, ws, torch.tensor([n], device=device), masked)]
+    all_x = _gather_padded(group, ws, M, x, masked).reshape(ws * M, -1)
+    all_w = None if weights is None else _gather_padded(group, ws, M, weights.float(), masked).reshape(
+        ws * M, -1).view(torch.float32)
+    all_i = _gather_padded(group, ws, M, indices.to(torch.int64), masked).reshape(ws * M, -1).view(torch.int64)
+    all_s = None if scales is None else _gather_padded(group, ws, M, scales, masked).reshape(ws * M, -1)
 
     # ---- expected (source, slot) pairs of each local expert -------------------------------------
     exist = torch.zeros(ws * M, dtype=torch.bool, device=device)

@@ -11,7 +11,8 @@ Map (each folder's ``__init__`` says more)::
                             ranks' agreement on each call and the bounded waits of its host
                             collectives, KernelSet (what a backend hands it), Schedule (which
                             geometry a call launches), the split legs (overlap), mori's call
-                            options and accessors (call_options, op_mori)
+                            options and accessors (call_options, op_mori), rank masking and
+                            the survivors' agreement and group (mask, survivors)
     memory/                 the symmetric arena and where its memory comes from: torch
                             symmetric memory, CUDA/HIP IPC, NVSHMEM; what ranks learn of each other
     train/                  training and prefill: dispatch and combine differentiable, as

@@ -64,7 +64,14 @@ class EpPeerError(EpError, RuntimeError):
 
 
 class EpDeviceError(EpError, RuntimeError):
-    """A kernel recorded an error (a timed-out wait, a short combine input); the op needs ``reset()``."""
+    """A kernel recorded an error (a timed-out wait, a short combine input); the op needs ``reset()``.
+
+    ``peer``: the rank a timed-out wait waited for (None for other errors), the rank that
+    ``MORI_EP_MASK_ON_TIMEOUT`` masks."""
+
+    def __init__(self, *args, peer=None):
+        super().__init__(*args)
+        self.peer = peer
 
 
 class EpCapacityError(EpDeviceError):

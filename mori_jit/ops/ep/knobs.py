@@ -4,7 +4,7 @@ Every variable is ``MORI_EP_*``; mori's own names (``MORI_V2_KERNEL_BACKEND``, `
 are read as aliases, so an environment written for mori keeps its meaning here."""
 from __future__ import annotations
 
-from mori_jit.jit.knobs import Group, IntListSetting, PositiveFloatSetting, PrefixSetting, StrSetting
+from mori_jit.jit.knobs import BoolSetting, Group, IntListSetting, PositiveFloatSetting, PrefixSetting, StrSetting
 
 __all__ = ["EpKnobs", "ep"]
 
@@ -28,6 +28,9 @@ class EpKnobs(Group):
                                        "the device reports only that share of its SMs, which is then a rank's "
                                        "grid budget as it is (NVSHMEM needs it with several PEs on one GPU; the "
                                        "GPU test harness sets it)")
+    mask_on_timeout = BoolSetting("MORI_EP_MASK_ON_TIMEOUT", False,
+                                  "mask the peer a timed-out kernel wait names (op.mask_rank), so that the next "
+                                  "op.reset() runs among the survivors (docs/design.md §6, \"Rank masking\")")
     test_world_sizes = IntListSetting("MORI_EP_TEST_WORLD_SIZES", (1, 2, 4, 8),
                                       "the world sizes the EP GPU tests run at (several ranks per GPU where the "
                                       "machine has fewer GPUs)")

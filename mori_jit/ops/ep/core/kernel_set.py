@@ -28,6 +28,9 @@ class KernelSet:
     (routing None: a dispatch, else a replay along it) and ``combine_send`` (``combine``'s
     arguments) each send and return ``(outputs, receive)``: the leg's outputs, valid once the
     zero-argument ``receive`` has run (:mod:`mori_jit.ops.ep.core.overlap`).
+    Rank masking (None: not served, :mod:`mori_jit.ops.ep.core.mask`): ``rank_mask`` int32
+    ``[world_size]`` on the device, 1 = masked, read by every call; ``masked_pairs`` int32 ``[1]``,
+    the (token, expert) pairs the latest dispatch dropped for a masked rank.
     """
 
     dispatch: Callable[..., tuple]
@@ -43,3 +46,5 @@ class KernelSet:
     combine_expert_major: Optional[Callable[..., torch.Tensor]] = None
     dispatch_send: Optional[Callable[..., tuple[tuple, Callable[[], None]]]] = None
     combine_send: Optional[Callable[..., tuple[tuple, Callable[[], None]]]] = None
+    rank_mask: Optional[torch.Tensor] = None
+    masked_pairs: Optional[torch.Tensor] = None

@@ -28,6 +28,7 @@ from mori_jit.ops.ep.core.arguments_moe import check_expert_major_input
 from mori_jit.ops.ep.core.call_options import check_call_options, pick_geometry, refuse_train_options, resolve_group
 from mori_jit.ops.ep.core.op_mori import MoriSurface
 from mori_jit.ops.ep.core.kernel_set import KernelSet
+from mori_jit.ops.ep.core.mask import MaskSurface, RankMask
 from mori_jit.ops.ep.core.checks import check_combine_args, check_dispatch_args
 from mori_jit.ops.ep.core.overlap import SplitLegs, refuse_in_flight_then
 from mori_jit.ops.ep.core.watch import watch_of
@@ -54,7 +55,7 @@ def _backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-class EpDispatchCombineOp(SplitLegs, MoriSurface, abc.ABC):
+class EpDispatchCombineOp(SplitLegs, MoriSurface, MaskSurface, abc.ABC):
     """Expert-parallel dispatch/combine over ``group``: None (WORLD), a torch process group, or a
     communicator-like object holding one as ``process_group`` (mori's ``mori.cco.Communicator``
     as :mod:`mori_jit.compat.mori` makes it). Collective to construct.
@@ -137,6 +138,7 @@ class EpDispatchCombineOp(SplitLegs, MoriSurface, abc.ABC):
         self._count_experts = cfg.expert_counts  # (local_expert_count: the latest dispatch's counts)
         # backends whose legs are host collectives agree on the arguments first (see core/agreement.py)
         self._agree_per_call = "host_collectives" in self._kernels.capabilities
+        self._rank_mask = RankMask(self)  # (core/mask.py: the masked ranks, the group of the live ones)
         self._closed = False
 
     def close(self) -> None:
@@ -148,16 +150,19 @@ class EpDispatchCombineOp(SplitLegs, MoriSurface, abc.ABC):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        group, watch = self._rank_mask.collective()
         try:
-            self._watch.check_usable()
-            agree_on_step(self.group, (self._number, "close", None))
+            watch.check_usable()
+            agree_on_step(group, (self._number, "close", None))
         except EpError as e:
             self._abandon(e)
             if isinstance(e, EpStateError) and self._watch.failed is not None:
                 return  # (the group's failure was raised to the caller already)
             raise
         self._kernels.close()
-        if self.arena is not None:
+        if self.arena is not None and self._rank_mask.masked:  # (its release is collective over every rank)
+            self._abandon(EpStateError("close with masked ranks"))
+        elif self.arena is not None:
             self.arena.close()
 
     def __enter__(self):
@@ -208,13 +213,16 @@ class EpDispatchCombineOp(SplitLegs, MoriSurface, abc.ABC):
 
     def reset(self) -> None:
         """Collective: wait for the device, clear counters, flags and errors on every rank (which
-        agree first, as in :meth:`close`: a barrier would pair with any peer's collective)."""
+        agree first, as in :meth:`close`: a barrier would pair with any peer's collective). With
+        masked ranks, on the survivors alone (:mod:`.mask`; a masked rank is refused)."""
         if self._closed:
             raise EpStateError("EpDispatchCombineOp is closed")
-        self._watch.check_usable()
-        agree_on_step(self.group, (self._number, "reset", None))
+        group, watch = self._rank_mask.before_reset()  # (after a mask change: among the survivors)
+        watch.check_usable()
+        agree_on_step(group, (self._number, "reset", None))
         self._kernels.reset()
         self._in_flight = None  # (a send's receive is moot once the counters are cleared)
+        self._rank_mask.after_reset()
 
     @property
     def latest_routing(self):
@@ -402,8 +410,9 @@ class EpDispatchCombineOp(SplitLegs, MoriSurface, abc.ABC):
         is or belongs to). A closed op refuses locally: its peers closed it with it (``close`` agrees)."""
         if self._closed:
             raise EpStateError("EpDispatchCombineOp is closed")
-        self._watch.check_usable()
-        return agree_on_arguments(self.group, (self._number, call, of), weights_given, check, *args)
+        group, watch = self._rank_mask.collective()
+        watch.check_usable()
+        return agree_on_arguments(group, (self._number, call, of), weights_given, check, *args)
 
     def _check_combine(self, input, weights, routing, out, out_weights, geometry: Optional[tuple] = None,
                        options: Optional[tuple] = None) -> int:

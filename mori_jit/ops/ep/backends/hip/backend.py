@@ -20,6 +20,7 @@ from mori_jit.ops.ep.memory.arena import SymmArena
 from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, LAYOUT, CombWord, EpMaxRecv, EpPhase, ErrCode
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.intranode.errors import WAIT_MESSAGES, decode_error
+from mori_jit.ops.ep.backends.hip.common.wait_errors import waited_for
 from mori_jit.ops.ep.backends.hip.common.grid import ranks_dividing_cus
 from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views, split_launches
 from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
@@ -32,7 +33,9 @@ from mori_jit.ops.ep.errors import EpCapacityError, EpDeviceError
 __all__ = ["EpDispatchCombineOpHip", "HipRouting", "CombineOutputs", "WAIT_MESSAGES", "decode_error", "_weights_ptr"]
 
 # Counters, epochs and every word compared against an epoch (flags, epoch-tagged slots and weights).
-_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync", "expert_adds", "exp_cursor")
+# (rank_mask is not one: the mask outlives a reset, which runs among the survivors)
+_SYNC_REGIONS = ("recv_num", "total_recv", "src_to_recv", "comb_flags", "xdb", "sync", "expert_adds", "exp_cursor",
+                 "masked_pairs")
 # Low latency: regions whose every 32-bit word starts as CombWord.kEmptyWord (filled with this byte),
 # and the weights, which carry an epoch.
 _EMPTY_REGIONS, _EPOCH_REGIONS = ("comb_recv",), ("comb_recv_wts",)
@@ -205,7 +208,9 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         def check():
             if err_words[0]:
                 error = EpCapacityError if err_words[0] == ErrCode.kErrCapacity else EpDeviceError
-                raise error(decode_error(list(err_words), cfg.rank) + "; call op.reset() (collective)")
+                peer = waited_for(err_words[1]) if err_words[0] == ErrCode.kErrTimeout else None
+                self._rank_mask.saw_timeout(peer)  # (MORI_EP_MASK_ON_TIMEOUT; core/mask.py)
+                raise error(decode_error(list(err_words), cfg.rank) + "; call op.reset() (collective)", peer=peer)
 
         def clear():
             arena.zero(*_SYNC_REGIONS, *(_EPOCH_REGIONS if low else ()))
@@ -220,9 +225,11 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
                          capabilities=frozenset({"graph", "zero_copy_combine", "scales"}),
-                         check=check, reset=lambda: collective_reset(dev, self.group, clear),
+                         check=check, reset=lambda: collective_reset(dev, self._rank_mask.collective()[0], clear),
                          combine_input_buffer=inp_buffer.get, close=close,
                          bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)},
                          replay=replay if cfg.routing_replay else None, combine_expert_major=expert_combine,
                          dispatch_send=dispatch_send if var.split else None,
-                         combine_send=combine_send if var.split else None)
+                         combine_send=combine_send if var.split else None,
+                         rank_mask=arena.view("rank_mask", torch.int32, (cfg.world_size,)),
+                         masked_pairs=arena.view("masked_pairs", torch.int32, (3,))[2:])

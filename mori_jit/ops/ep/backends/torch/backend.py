@@ -26,11 +26,22 @@ from mori_jit.ops.ep.backends.torch.split import empty_moe_outputs, fill_moe_out
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpCapacityError
 
-__all__ = ["EpDispatchCombineOpTorch", "TORCH_COMBINE_QUANT_TYPES"]
+__all__ = ["EpDispatchCombineOpTorch", "TORCH_COMBINE_QUANT_TYPES", "live_ids"]
 
 #: The combine-wire quantizations (mori's ``quant_type``) this backend serves: none, and each cast
 #: :mod:`~mori_jit.ops.ep.quant` defines.
 TORCH_COMBINE_QUANT_TYPES = ("none", *COMBINE_WIRE_QUANTS)
+
+
+def live_ids(indices: torch.Tensor, rank_mask: torch.Tensor, experts_per_rank: int,
+             pairs: torch.Tensor) -> torch.Tensor:
+    """``indices`` with every valid id of a masked rank's expert (``rank_mask[rank] != 0``) as -1,
+    the dispatch's routing ids; ``pairs`` (int32 ``[1]``) gets how many were dropped so."""
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < experts_per_rank * rank_mask.numel())
+    dropped = valid & (rank_mask[torch.where(valid, idx // experts_per_rank, 0)] != 0)
+    pairs.copy_(dropped.sum().reshape(1))
+    return indices.masked_fill(dropped, -1)
 
 
 class EpDispatchCombineOpTorch(EpDispatchCombineOp):
@@ -53,8 +64,19 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
         group, spec, watch, device = self.group, quant_spec(cfg.dispatch_quant_type), self._watch, self.device
 
         def exchange(call: str, collectives: int) -> Exchange:
-            # ``collectives``: how many the call makes (a peer may wait in any not yet made)
-            return Exchange(group, watch, f"{call} of op #{self._number}", collectives)
+            # ``collectives``: how many the call makes (a peer may wait in any not yet made); over
+            # the live ranks' group once some are masked (core/mask.py)
+            return self._rank_mask.exchange(f"{call} of op #{self._number}", collectives)
+
+        rank_mask = torch.zeros(cfg.world_size, dtype=torch.int32, device=device)
+        masked_pairs = torch.zeros(1, dtype=torch.int32, device=device)
+
+        def route_ids(indices):
+            # the ids the routing goes by: a masked rank's experts dropped as -1 (the payload keeps them)
+            if not self._rank_mask.masked:
+                masked_pairs.zero_()
+                return indices
+            return live_ids(indices, rank_mask, cfg.num_experts_per_rank, masked_pairs)
 
         def payload(x, scales):
             # under dispatch_quant_type the op makes the fp8 rows and their scales; else they are the caller's
@@ -74,8 +96,10 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             return (group, cfg.rank, cfg.world_size, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank,
                     x, w, scales, indices, cfg.recv_capacity)
 
-        capacity = dict(expert_capacity=cfg.expert_capacity)
-        wire = CombineWire.of(cfg)  # (an overflow: every rank raises, nothing is sent)
+        wire = CombineWire.of(cfg)
+
+        def capacity_of(indices):  # (an overflow: every rank raises, nothing is sent)
+            return dict(expert_capacity=cfg.expert_capacity, route_indices=route_ids(indices))
 
         def experts_of(out_idx, total):
             if not cfg.expert_counts:
@@ -86,7 +110,7 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
             with exchange("dispatch", 2) as ex:
                 x, scales = payload(x, scales)
                 out, out_w, out_s, out_idx, total, base = reference_dispatch(*leg_args(x, weights, scales, indices),
-                                                                             exchange=ex, **capacity)
+                                                                             exchange=ex, **capacity_of(indices))
             experts = experts_of(out_idx, base.total_recv)
             routing = TorchMoeRouting(**vars(base), out_indices=out_idx, experts=experts,
                                       recv_capacity=cfg.recv_capacity)
@@ -134,7 +158,7 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
                     (out, out_w, out_s), receive = post_replay(group, routing, x, weights, scales, exchange=ex)
                 else:
                     (out, out_w, out_s, out_idx, total, base), receive = post_dispatch(
-                        *leg_args(x, weights, scales, indices), exchange=ex, **capacity)
+                        *leg_args(x, weights, scales, indices), exchange=ex, **capacity_of(indices))
             if not fresh:
                 total = torch.tensor([routing.total_recv], dtype=torch.int32, device=x.device)
                 outputs = (out, out_w, out_s, routing.out_indices, total, routing)
@@ -161,4 +185,4 @@ class EpDispatchCombineOpTorch(EpDispatchCombineOp):
                          capabilities=frozenset({"scales", "gloo", "nccl", "host_collectives"}),
                          combine_input_buffer=combine_input_buffer, replay=replay,
                          combine_expert_major=combine_expert_major, dispatch_send=dispatch_send,
-                         combine_send=combine_send)
+                         combine_send=combine_send, rank_mask=rank_mask, masked_pairs=masked_pairs)

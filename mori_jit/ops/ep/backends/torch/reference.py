@@ -132,6 +132,7 @@ def reference_dispatch(
     recv_capacity: int,
     exchange: Exchange | None = None,
     expert_capacity: int = 0,
+    route_indices: torch.Tensor | None = None,
 ):
     """Send each token to every distinct rank that holds one of its experts.
 
@@ -150,6 +151,8 @@ def reference_dispatch(
         exchange: runs the collectives (None: plain blocking ones on ``group``).
         expert_capacity: > 0: every rank refuses a dispatch in which an expert would receive more
             (token, expert) pairs (the op's ``expert_capacity``).
+        route_indices: the ids the routing goes by, when they differ from the ``indices`` sent
+            (a masked rank's experts as -1: core/mask.py); None: ``indices``.
 
     Returns:
         ``(out [cap, H] x.dtype, out_weights [cap, k] f32, out_scales [cap, S] | None,
@@ -179,13 +182,14 @@ def reference_dispatch(
     ex = exchange if exchange is not None else Exchange.plain(group)
 
     # --- routing: which (destination, token) pairs to send, in send order ------------------------
-    mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
+    route = indices if route_indices is None else route_indices
+    mask = _destination_mask(route.to(device), world_size, num_experts_per_rank)
     # nonzero() on the transposed mask yields (dest, tok) in row-major order: grouped by
     # destination ascending, tokens ascending inside a group -- exactly the send order.
     pairs = mask.t().nonzero()
     send_tok = pairs[:, 1].contiguous()
-    send_pos = send_positions(indices, pairs, world_size, num_experts_per_rank)
-    send_counts, recv_counts = gather_counts(mask, indices, rank, world_size, num_experts_per_rank, recv_capacity,
+    send_pos = send_positions(route, pairs, world_size, num_experts_per_rank)
+    send_counts, recv_counts = gather_counts(mask, route, rank, world_size, num_experts_per_rank, recv_capacity,
                                              expert_capacity, ex)
     total = sum(recv_counts)
 

@@ -45,18 +45,19 @@ def _unpack_into(recv: torch.Tensor, outs: list[Optional[torch.Tensor]], total: 
 
 def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, num_experts_per_rank: int,
                   x: torch.Tensor, weights: torch.Tensor, scales: Optional[torch.Tensor], indices: torch.Tensor,
-                  recv_capacity: int, exchange: Optional[Exchange] = None, expert_capacity: int = 0
-                  ) -> tuple[tuple, Receive]:
+                  recv_capacity: int, exchange: Optional[Exchange] = None, expert_capacity: int = 0,
+                  route_indices: Optional[torch.Tensor] = None) -> tuple[tuple, Receive]:
     """:func:`~.reference.reference_dispatch` as a send and a receive (same arguments, same outputs,
     filled by the receive; the same errors, from the send, on every rank)."""
     n, hidden = x.shape
     k, device = indices.shape[1], x.device
     ex = exchange if exchange is not None else Exchange.plain(group)
-    mask = _destination_mask(indices.to(device), world_size, num_experts_per_rank)
+    route = indices if route_indices is None else route_indices
+    mask = _destination_mask(route.to(device), world_size, num_experts_per_rank)
     pairs = mask.t().nonzero()  # (dest, tok) in send order
     send_tok = pairs[:, 1].contiguous()
-    send_pos = send_positions(indices, pairs, world_size, num_experts_per_rank)
-    send_counts, recv_counts = gather_counts(mask, indices, rank, world_size, num_experts_per_rank, recv_capacity,
+    send_pos = send_positions(route, pairs, world_size, num_experts_per_rank)
+    send_counts, recv_counts = gather_counts(mask, route, rank, world_size, num_experts_per_rank, recv_capacity,
                                              expert_capacity, ex)
     total = sum(recv_counts)
     src_id = (rank * max_tokens_per_rank + torch.arange(n, device=device, dtype=torch.int64)).to(torch.int32)

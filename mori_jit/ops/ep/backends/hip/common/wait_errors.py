@@ -3,7 +3,12 @@ word (wait id, peer, waiting rank), a short combine input, a peer's short input,
 Each family's decoder (``intranode.errors``, ``internode.errors``) names its own waits."""
 from __future__ import annotations
 
-__all__ = ["timed_out", "short_input", "peer_short", "unknown"]
+__all__ = ["waited_for", "timed_out", "short_input", "peer_short", "unknown"]
+
+
+def waited_for(detail: int) -> int:
+    """The peer a timed-out wait's detail word names (the rank ``MORI_EP_MASK_ON_TIMEOUT`` masks)."""
+    return (detail >> 32) & 0xFFFF
 
 
 def timed_out(detail: int, messages: dict) -> tuple[int, str]:

@@ -200,6 +200,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "out_scales": recv * disp.scaleDim * disp.scaleTypeSize,
         "expert_adds": 2 * disp.numExpertPerRank * 4 if disp.expertCounts else 0,
         "expert_counts": disp.numExpertPerRank * 4 if disp.expertCounts else 0,
+        "rank_mask": EP_MAX_PEERS * 4, "masked_pairs": 3 * 4,
         **_layout_bytes(disp),
     }
 
