@@ -44,6 +44,7 @@ def checked_round(op, gen, device, masked=(), n=None) -> None:
     if cfg.expert_counts:
         golden_check_experts(*args, x, w, idx, res.expert_counts, res.expert, out=res.out,
                              recv_src=res.routing.recv_src, masked=masked)
+        _meet(group, device)  # (the replay below, on any rank, rewrites these rows)
     if cfg.routing_replay:  # a new payload along the same routing
         x = make_inputs(rank, n, cfg.hidden_dim, cfg.num_experts_per_token, cfg.num_experts, cfg.dispatch_dtype,
                         device, gen)[0]
@@ -51,6 +52,14 @@ def checked_round(op, gen, device, masked=(), n=None) -> None:
     y, y_w = op.combine(res.out, weights=res.out_weights, routing=res.routing)
     golden_check(*args, x, w, idx, res.out, res.out_weights, res.out_indices, res.total_recv,
                  res.routing.recv_src, y, y_w, masked=masked)
+    _meet(group, device)  # (a dispatch's outputs hold until any rank's next dispatch)
+
+
+def _meet(group, device) -> None:
+    """Every live rank has finished reading this round's outputs before any dispatches again."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier(group=group)
 
 
 def _store():

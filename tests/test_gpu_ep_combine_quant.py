@@ -24,11 +24,14 @@ def _dev():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _experts(out, rank, dtype):
-    """Expert outputs that differ by rank and by row: each rank's float32 terms differ, so a sum in
-    another order than the kernels' would round differently."""
-    rows = torch.arange(out.shape[0], device=out.device, dtype=torch.float32)[:, None]
-    return (out.float() * (1.0 + 0.37 * rank) + torch.sin(rows * 0.731 + rank)).to(dtype)
+def _experts(res, rank, dtype):
+    """Expert outputs that differ by rank and by source token (keyed by each row's source id, not its
+    receive row: the hip backend's arrival order varies): each rank's float32 terms differ, so a sum
+    in another order than the kernels' would round differently."""
+    out = res.out
+    src = res.routing.recv_src[:out.shape[0]].to(device=out.device, dtype=torch.float32)
+    src = torch.where(torch.arange(out.shape[0], device=out.device) < res.total_recv.to(out.device).long(), src, 0.0)
+    return (out.float() * (1.0 + 0.37 * rank) + torch.sin(src[:, None] * 0.731 + rank)).to(dtype)
 
 
 def _parity_job(rank, ws, quant, scale_bytes, low):
@@ -45,10 +48,10 @@ def _parity_job(rank, ws, quant, scale_bytes, low):
                 x, w, idx = make_inputs(rank, n, H, K, epr(ws) * ws, dtype, _dev(), gen, drop_frac=0.2, world_size=ws)
                 w = w if call != 2 else None
                 res = op.dispatch(x, w, None, idx, return_result=True)
-                y, y_w = op.combine(_experts(res.out, rank, dtype), weights=res.out_weights, routing=res.routing)
+                y, y_w = op.combine(_experts(res, rank, dtype), weights=res.out_weights, routing=res.routing)
                 on = ref.device
                 r = ref.dispatch(x.to(on), None if w is None else w.to(on), None, idx.to(on), return_result=True)
-                yr, yr_w = ref.combine(_experts(r.out, rank, dtype), weights=r.out_weights, routing=r.routing)
+                yr, yr_w = ref.combine(_experts(r, rank, dtype), weights=r.out_weights, routing=r.routing)
                 where = f"{quant}/{scale_bytes} {dtype} low={low} call {call} (rank {rank} of {ws})"
                 bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
                 diff = y.view(bits).cpu() != yr.view(bits).cpu()
