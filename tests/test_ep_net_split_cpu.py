@@ -157,3 +157,17 @@ def test_v2_ll_send_kernels_wait_only_before_their_first_store(tmp_path):
         spec = net_spec("v2_ll", leg)
         w, s, r = (waits(spec, c[0]) for c in (legs, var.half(leg, EpPhase.Send), var.half(leg, EpPhase.Recv)))
         assert s == 2 * send_waits and s + r == w and r > 0, (leg, w, s, r)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_live_op_refuses_the_internode_split_until_it_is_let(family, monkeypatch):
+    """The internode halves have not passed their GPU test: the live op names the gate; with it set,
+    the split is not among the reasons (on this machine the missing device still is)."""
+    from mori_jit.ops.ep.backends.hip.backend import EpDispatchCombineOpHip
+
+    monkeypatch.delenv("MORI_EP_NET_SPLIT", raising=False)
+    refused = EpDispatchCombineOpHip._unsupported(None, _cfg(family))
+    assert any("MORI_EP_NET_SPLIT=1" in why for why in refused), refused
+    assert not any("MORI_EP_NET_SPLIT" in why for why in EpDispatchCombineOpHip._unsupported(None, _cfg(family, False)))
+    monkeypatch.setenv("MORI_EP_NET_SPLIT", "1")
+    assert not any("MORI_EP_NET_SPLIT" in why for why in EpDispatchCombineOpHip._unsupported(None, _cfg(family)))
