@@ -106,8 +106,9 @@ def test_the_op_module_names_train_by_path_only():
     """core imports no train module (the import rule); the path it names exists."""
     import importlib
 
-    from mori_jit.ops.ep.core import op
+    from mori_jit.ops.ep.core import legs, op
 
-    assert importlib.import_module(op._TRAIN).__name__ == "mori_jit.ops.ep.train.hooks"
-    with pytest.raises(AttributeError):
-        getattr(op, "train")
+    assert importlib.import_module(legs._TRAIN).__name__ == "mori_jit.ops.ep.train.hooks"
+    for module in (op, legs):
+        with pytest.raises(AttributeError):
+            getattr(module, "train")

@@ -34,7 +34,7 @@ own folder, from folders below it in this list, or from the top files of ``ops/e
     backends/*  →  train  →  core  →  memory  →  ops/ep top files  →  mori_jit.jit
 
 ``core`` names its backends and ``train`` (whose hooks make the op's calls differentiable) by module
-path only (``core/op.py``'s ``_BACKENDS``, ``_TRAIN``), never by import.
+path only (``core/op.py``'s ``_BACKENDS``, ``core/legs.py``'s ``_TRAIN``), never by import.
 :mod:`mori_jit.compat` (mori's API for the serving engines) builds on this package; nothing here
 imports it.
 Golden checks live in :mod:`mori_jit.testing`, the worked MoE block in :mod:`mori_jit.examples`.
