@@ -20,3 +20,37 @@ from mori_jit.testing.gpu_world import Placement, placement
 def test_ranks_go_round_robin_and_share_a_gpu_only_when_they_must(ws, gpus, want):
     assert placement(ws, gpus) == want
 
+
+
+def test_a_busy_device_is_retried_and_any_other_error_raised(monkeypatch):
+    """set_device_when_free: "busy or unavailable" (CUDA MPS tearing down killed clients) is retried
+    until the device is free or the bound passes; other errors are raised at once."""
+    import torch
+
+    from mori_jit.testing import distributed
+
+    calls = []
+
+    def flaky(index, busy_times):
+        calls.append(index)
+        if len(calls) <= busy_times:
+            raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
+
+    monkeypatch.setattr(distributed.time, "sleep", lambda s: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: flaky(i, 3))
+    distributed.set_device_when_free(1)
+    assert calls == [1, 1, 1, 1]
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: flaky(i, 10 ** 6))
+    with pytest.raises(RuntimeError, match="busy or unavailable"):
+        distributed.set_device_when_free(0, retry_s=0.05)
+    calls.clear()
+
+    def broken(index):
+        calls.append(index)
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "set_device", broken)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        distributed.set_device_when_free(5)
+    assert calls == [5]

@@ -32,6 +32,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: How long a worker retries a GPU the driver reports "busy or unavailable" (CUDA MPS refuses new
+#: clients while its server still tears down the contexts of killed ones: a previous job's).
+DEVICE_BUSY_RETRY_S = 30.0
+
+
+def set_device_when_free(index: int, retry_s: float = DEVICE_BUSY_RETRY_S) -> None:
+    """``torch.cuda.set_device(index)``, retried every 0.5 s for up to ``retry_s`` while the device
+    is "busy or unavailable"; any other error, or that one past the bound, is raised."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            torch.cuda.set_device(index)
+            return
+        except RuntimeError as e:  # (torch.AcceleratorError is a RuntimeError)
+            if "busy or unavailable" not in str(e) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, args: tuple,
             backend: str = "gloo", gpus: int = 0) -> None:
     # Keep gloo on loopback: container hostnames often resolve to unreachable addresses.
@@ -40,7 +59,7 @@ def _worker(rank: int, fn, world_size: int, port: int, timeout: float, errors, a
     # Several processes share few cores; intra-op threads would only oversubscribe them.
     torch.set_num_threads(1)
     if gpus:  # ranks round-robin over the GPUs (several per GPU when there are fewer GPUs than ranks)
-        torch.cuda.set_device(rank % gpus)
+        set_device_when_free(rank % gpus)
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
