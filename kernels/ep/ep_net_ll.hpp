@@ -19,7 +19,7 @@
 //                      rows of this rank's tokens has marked comb_short, and is reported.
 // A receive phase waits for this rank's own blocks through the same signals as for its peers, so a
 // leg's blocks must be resident together: the grid never exceeds the rank's share of the SMs
-// (grid_share.py), as for the intranode kernels. Epochs are the done counts themselves (kept on the
+// (backends/hip/common/grid.py), as for the intranode kernels. Epochs are the done counts themselves (kept on the
 // device: a captured graph stays right on every replay), read at each block's start (NetEpochs).
 // The split legs (kCfg.phase) run each phase as its own kernel: the send kernel ends after its
 // done signal, waiting for nothing but the dispatch's two waits before its first store (the peers'

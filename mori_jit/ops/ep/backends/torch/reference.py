@@ -28,8 +28,8 @@ costs one counts exchange plus one payload exchange.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -38,7 +38,7 @@ from mori_jit.ops.ep.backends.torch.wire import CombineWire, pack_combine, send_
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpArgumentError
 
-__all__ = ["TorchRouting", "reference_dispatch", "reference_combine"]
+__all__ = ["TorchRouting", "reference_dispatch", "reference_combine", "DispatchPlan", "plan_dispatch", "unpack_rows"]
 
 
 @dataclass
@@ -165,6 +165,34 @@ def reference_dispatch(
             every rank raises it, after the counts and before any row moves. EpCapacityError (an
             EpDeviceError): likewise for an expert beyond ``expert_capacity``.
     """
+    plan = plan_dispatch(group, rank, world_size, max_tokens_per_rank, num_experts_per_rank, x, weights, scales,
+                         indices, recv_capacity, exchange, expert_capacity, route_indices)
+    plan.exchange.all_to_all(plan.recv, plan.send, plan.routing.recv_counts, plan.routing.send_counts)
+    plan.unpack()
+    return plan.outputs
+
+
+class DispatchPlan(NamedTuple):
+    """A dispatch up to its payload exchange (:func:`plan_dispatch`): the packed rows to send and
+    the buffer they arrive in, the leg's outputs (allocated, filled by ``unpack`` once ``recv`` holds
+    the exchange) and the collectives' runner. The blocking reference exchanges then unpacks; the
+    split send posts the exchange and its receive unpacks (:mod:`.split`)."""
+
+    send: torch.Tensor
+    recv: torch.Tensor
+    routing: "TorchRouting"
+    outputs: tuple
+    unpack: Callable[[], None]
+    exchange: Exchange
+
+
+def plan_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, num_experts_per_rank: int,
+                  x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor | None, indices: torch.Tensor,
+                  recv_capacity: int, exchange: Exchange | None = None, expert_capacity: int = 0,
+                  route_indices: torch.Tensor | None = None) -> DispatchPlan:
+    """Everything of :func:`reference_dispatch` (same arguments, same checks and errors) but its
+    payload exchange: the routing, the counts exchange (collective), the packed send rows and the
+    outputs ``(out, out_weights, out_scales, out_indices, total_recv, routing)``."""
     if x.dim() != 2 or indices.dim() != 2 or weights.dim() != 2:
         raise EpArgumentError("x, weights and indices must be 2-D")
     n, hidden = x.shape
@@ -206,31 +234,37 @@ def reference_dispatch(
     ]
     if scales is not None:
         fields.append(_row_bytes(scales.to(device)))
-    widths = [f.shape[1] for f in fields]
     send = _pack_rows(fields, send_tok)
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=device)
-    ex.all_to_all(recv, send, recv_counts, send_counts)
-
-    # --- unpack into capacity-sized outputs ------------------------------------------------------
-    ends = list(itertools.accumulate(widths))
-    part = [recv[:, e - w : e] for w, e in zip(widths, ends)]
-
-    recv_src = _from_row_bytes(part[0], torch.int32, 1).reshape(total)
     out_indices = torch.empty(recv_capacity, k, dtype=id_dtype, device=device)
-    out_indices[:total] = _from_row_bytes(part[1], id_dtype, k)
     out_weights = torch.empty(recv_capacity, k, dtype=torch.float32, device=device)
-    out_weights[:total] = _from_row_bytes(part[2], torch.float32, k)
     out = torch.empty(recv_capacity, hidden, dtype=x.dtype, device=device)
-    out[:total] = _from_row_bytes(part[3], x.dtype, hidden)
     out_scales = None
     if scales is not None:
         out_scales = torch.empty(recv_capacity, scales.shape[1], dtype=scales.dtype, device=device)
-        out_scales[:total] = _from_row_bytes(part[4], scales.dtype, scales.shape[1])
-
-    total_recv = torch.tensor([total], dtype=torch.int32, device=device)
-    routing = TorchRouting(recv_src=recv_src, send_counts=send_counts, recv_counts=recv_counts,
+    recv_src = torch.empty(total, 1, dtype=torch.int32, device=device)
+    total_recv = torch.empty(1, dtype=torch.int32, device=device)
+    routing = TorchRouting(recv_src=recv_src.view(total), send_counts=send_counts, recv_counts=recv_counts,
                            send_tok=send_tok, num_tokens=n, send_pos=send_pos)
-    return out, out_weights, out_scales, out_indices, total_recv, routing
+
+    def unpack() -> None:
+        unpack_rows(recv, [recv_src, out_indices, out_weights, out, out_scales], total)
+        total_recv.fill_(total)
+
+    return DispatchPlan(send, recv, routing, (out, out_weights, out_scales, out_indices, total_recv, routing), unpack,
+                        ex)
+
+
+def unpack_rows(recv: torch.Tensor, outs: list, total: int) -> None:
+    """Row ``i`` of the packed ``recv`` into row ``i`` of each output, field by field (each output's
+    row bytes, in order; a None output has no field)."""
+    off = 0
+    for o in outs:
+        if o is None:
+            continue
+        w = o.shape[1] * o.element_size()
+        o[:total] = _from_row_bytes(recv[:, off:off + w], o.dtype, o.shape[1])
+        off += w
 
 
 def reference_combine(

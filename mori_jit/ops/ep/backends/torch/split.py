@@ -19,10 +19,9 @@ from typing import Callable, Optional
 
 import torch
 
-from mori_jit.ops.ep.backends.torch.counts import gather_counts
-from mori_jit.ops.ep.backends.torch.reference import (TorchRouting, _destination_mask, _from_row_bytes, _pack_rows,
-                                                      _row_bytes)
-from mori_jit.ops.ep.backends.torch.wire import CombineWire, pack_combine, send_positions
+from mori_jit.ops.ep.backends.torch.reference import (TorchRouting, _pack_rows, _row_bytes, plan_dispatch,
+                                                      unpack_rows)
+from mori_jit.ops.ep.backends.torch.wire import CombineWire, pack_combine
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.results import EpExpertLayout
 
@@ -31,62 +30,22 @@ __all__ = ["post_dispatch", "post_replay", "post_combine", "empty_moe_outputs", 
 Receive = Callable[[], None]
 
 
-def _unpack_into(recv: torch.Tensor, outs: list[Optional[torch.Tensor]], total: int) -> None:
-    """Row ``i`` of packed ``recv`` into row ``i`` of each output, field by field (each output's row
-    bytes, in order; a None output has no field)."""
-    off = 0
-    for o in outs:
-        if o is None:
-            continue
-        w = o.shape[1] * o.element_size()
-        o[:total] = _from_row_bytes(recv[:, off:off + w], o.dtype, o.shape[1])
-        off += w
-
-
 def post_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, num_experts_per_rank: int,
                   x: torch.Tensor, weights: torch.Tensor, scales: Optional[torch.Tensor], indices: torch.Tensor,
                   recv_capacity: int, exchange: Optional[Exchange] = None, expert_capacity: int = 0,
                   route_indices: Optional[torch.Tensor] = None) -> tuple[tuple, Receive]:
     """:func:`~.reference.reference_dispatch` as a send and a receive (same arguments, same outputs,
-    filled by the receive; the same errors, from the send, on every rank)."""
-    n, hidden = x.shape
-    k, device = indices.shape[1], x.device
-    ex = exchange if exchange is not None else Exchange.plain(group)
-    route = indices if route_indices is None else route_indices
-    mask = _destination_mask(route.to(device), world_size, num_experts_per_rank)
-    pairs = mask.t().nonzero()  # (dest, tok) in send order
-    send_tok = pairs[:, 1].contiguous()
-    send_pos = send_positions(route, pairs, world_size, num_experts_per_rank)
-    send_counts, recv_counts = gather_counts(mask, route, rank, world_size, num_experts_per_rank, recv_capacity,
-                                             expert_capacity, ex)
-    total = sum(recv_counts)
-    src_id = (rank * max_tokens_per_rank + torch.arange(n, device=device, dtype=torch.int64)).to(torch.int32)
-    id_dtype = indices.dtype if indices.dtype in (torch.int32, torch.int64) else torch.int32
-    fields = [_row_bytes(src_id.unsqueeze(1)), _row_bytes(indices.to(device=device, dtype=id_dtype)),
-              _row_bytes(weights.to(device=device, dtype=torch.float32)), _row_bytes(x)]
-    if scales is not None:
-        fields.append(_row_bytes(scales.to(device)))
-    send = _pack_rows(fields, send_tok)
-    recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=device)
-    wait = ex.post_all_to_all(recv, send, recv_counts, send_counts)
-
-    recv_src = torch.empty(total, 1, dtype=torch.int32, device=device)
-    out_indices = torch.empty(recv_capacity, k, dtype=id_dtype, device=device)
-    out_weights = torch.empty(recv_capacity, k, dtype=torch.float32, device=device)
-    out = torch.empty(recv_capacity, hidden, dtype=x.dtype, device=device)
-    out_scales = None
-    if scales is not None:
-        out_scales = torch.empty(recv_capacity, scales.shape[1], dtype=scales.dtype, device=device)
-    total_recv = torch.empty(1, dtype=torch.int32, device=device)
-    routing = TorchRouting(recv_src=recv_src.view(total), send_counts=send_counts, recv_counts=recv_counts,
-                           send_tok=send_tok, num_tokens=n, send_pos=send_pos)
+    filled by the receive; the same errors, from the send, on every rank): its plan, with the
+    payload exchange posted."""
+    plan = plan_dispatch(group, rank, world_size, max_tokens_per_rank, num_experts_per_rank, x, weights, scales,
+                         indices, recv_capacity, exchange, expert_capacity, route_indices)
+    wait = plan.exchange.post_all_to_all(plan.recv, plan.send, plan.routing.recv_counts, plan.routing.send_counts)
 
     def receive() -> None:
         wait()
-        _unpack_into(recv, [recv_src, out_indices, out_weights, out, out_scales], total)
-        total_recv.fill_(total)
+        plan.unpack()
 
-    return (out, out_weights, out_scales, out_indices, total_recv, routing), receive
+    return plan.outputs, receive
 
 
 def post_replay(group, routing, x: torch.Tensor, weights: Optional[torch.Tensor], scales: Optional[torch.Tensor],
@@ -111,7 +70,7 @@ def post_replay(group, routing, x: torch.Tensor, weights: Optional[torch.Tensor]
 
     def receive() -> None:
         wait()
-        _unpack_into(recv, list(outs), total)
+        unpack_rows(recv, list(outs), total)
 
     return outs, receive
 
