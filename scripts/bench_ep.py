@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 
 from mori_jit.ops.ep.backends.hip.intranode.cfg import EP_STAMP_WORDS, Stamp
+from mori_jit.testing.cuda_graph import QUEUE_AHEAD_CYCLES
 from mori_jit.testing.distributed import run_distributed
 
 FP8 = torch.float8_e4m3fn
-#: GPU cycles (~2 GHz) slept before each timed loop: longer than the host needs to queue the loop.
-QUEUE_AHEAD_CYCLES = 20_000_000
 LEGS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp8": (FP8, torch.bfloat16)}
 
 

@@ -20,19 +20,17 @@ Every variant's received rows are first checked against the golden quantization 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 from mori_jit.ops.ep.quant import quant_spec, quantize
-from mori_jit.testing.cuda_graph import capture
+from mori_jit.testing.cuda_graph import graph_us
 from profile_ep_host import host_us
 
 HIDDEN, K, EXPERTS = 7168, 8, 256
 FP8 = torch.float8_e4m3fn
 SPEC = quant_spec("fp8_e4m3_block128")
-QUEUE_AHEAD_CYCLES = 20_000_000
 #: device-time variants: (name, config fields, the caller casts first)
 _FP8_SCALES = dict(dispatch_data_type=FP8, combine_data_type=torch.bfloat16, scale_dim=HIDDEN // 128, scale_type_size=4)
 _CAST = dict(_FP8_SCALES, dispatch_quant_type="fp8_e4m3_block128")
@@ -71,19 +69,6 @@ def _inputs(n, dev, gen, index_dtype=torch.int32):
     return x, w, idx
 
 
-def _graph_us(fn, iters):
-    """Median µs of back-to-back replays of a graph of ``fn``."""
-    g, _ = capture(fn)
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
-    ev[0].record()
-    for i in range(iters):
-        g.replay()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters)) * 1e3
-
-
 def _check_received(res, x, quantized):
     """Rows received at world size 1 are the input rows (each token once), cast as the golden cast does."""
     from mori_jit.testing.golden_moe import golden_quantize
@@ -119,7 +104,7 @@ def _device_times(tokens, iters, dev, gen):
                     return op.dispatch(x, w, None, idx, return_result=True)
                 res = call()
                 _check_received(res, x, bool(fields.get("scale_dim")))
-                us = _graph_us(call, iters)
+                us = graph_us(call, iters)
                 rows.setdefault(n, {})[name] = us
                 print(f"{name:28s} {n:5d} tokens: {us:8.2f} us (golden ok)", flush=True)
     return rows

@@ -15,32 +15,17 @@ output is first checked bit for bit against the torch reference of the wire (``q
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 from mori_jit.ops.ep.quant import combine_wire_decode, combine_wire_encode
-from mori_jit.testing.cuda_graph import capture
+from mori_jit.testing.cuda_graph import graph_us
 
 HIDDEN, K, EXPERTS = 7168, 8, 256
-QUEUE_AHEAD_CYCLES = 20_000_000
 #: (name, quant_type, combine_scale_type_size)
 WIRES = (("bf16", "none", 4), ("fp8 direct", "fp8_direct_cast", 4), ("fp8 block f32", "fp8_blockwise", 4),
          ("fp8 block ue8m0", "fp8_blockwise", 1))
-
-
-def _graph_us(fn, iters):
-    """Median µs of back-to-back replays of a graph of ``fn``."""
-    g, _ = capture(fn)
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
-    ev[0].record()
-    for i in range(iters):
-        g.replay()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters)) * 1e3
 
 
 def _job(rank, ws, tokens, iters):
@@ -53,7 +38,7 @@ def _job(rank, ws, tokens, iters):
         x = torch.randn(n, HIDDEN, generator=gen).bfloat16().to(dev)
         idx = torch.stack([torch.randperm(EXPERTS, generator=gen)[:K] for _ in range(n)]).int().to(dev)
         src, dst = torch.empty_like(x), torch.empty_like(x)
-        rows.setdefault(n, {})["copy"] = _graph_us(lambda: dst.copy_(src), iters)
+        rows.setdefault(n, {})["copy"] = graph_us(lambda: dst.copy_(src), iters)
         for name, quant, sb in WIRES:
             cfg = EpDispatchCombineConfig(rank=0, world_size=1, hidden_dim=HIDDEN, max_num_inp_token_per_rank=n,
                                           num_experts_per_rank=EXPERTS, num_experts_per_token=K, quant_type=quant,
@@ -66,7 +51,7 @@ def _job(rank, ws, tokens, iters):
                 want = (torch.zeros(n, HIDDEN, device=dev)
                         + combine_wire_decode(combine_wire_encode(x, quant, sb), quant, sb, x.dtype, HIDDEN))
                 assert torch.equal(y.view(torch.int16), want.bfloat16().view(torch.int16)), f"{name}: golden"
-                rows[n][name] = _graph_us(lambda: op.combine(inp, routing=res.routing), iters)
+                rows[n][name] = graph_us(lambda: op.combine(inp, routing=res.routing), iters)
                 print(f"{name:16s} {n:5d} tokens: {rows[n][name]:8.2f} us (golden ok)", flush=True)
     names = ["copy"] + [w[0] for w in WIRES]
     print("\n| tokens | " + " | ".join(f"{v} µs" for v in names) + " | fp8 direct vs bf16 |")

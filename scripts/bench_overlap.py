@@ -34,9 +34,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mori_jit.testing.cuda_graph import capture
+from mori_jit.testing.cuda_graph import QUEUE_AHEAD_CYCLES, capture
 
-QUEUE_AHEAD_CYCLES = 20_000_000  # GPU cycles slept so the host queues a loop ahead of the GPU
 
 
 def _replays_us(graphs, iters: int) -> list[float]:

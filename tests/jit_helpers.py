@@ -179,3 +179,25 @@ def build_axpy_worker(barrier, queue, arch: str) -> None:
         queue.put(("ok", str(entry.path), sha256_file(entry.binary)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         queue.put(("error", f"{type(e).__name__}: {e}", ""))
+
+
+def host_harness(tmp_dir: Path, source: str):
+    """``source`` (C++ that includes the kernels' headers) built with g++ into a shared library in
+    ``tmp_dir`` and loaded (ctypes): the kernels' host-compilable helpers, checked on the CPU.
+    No FMA contraction, so float results are the ones the source spells. Skips without g++."""
+    import ctypes
+    import shutil
+
+    import pytest
+
+    from mori_jit.jit.paths import kernels_dir
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ absent")
+    src, so = tmp_dir / "harness.cpp", tmp_dir / "harness.so"
+    src.write_text(source)
+    p = subprocess.run([gxx, "-std=c++20", "-O2", "-ffp-contract=off", "-shared", "-fPIC", f"-I{kernels_dir()}",
+                        "-o", str(so), str(src)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return ctypes.CDLL(str(so))

@@ -7,13 +7,11 @@ backend's)."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 
 import pytest
 import torch
 
-from mori_jit.jit.paths import kernels_dir
+from jit_helpers import host_harness
 from mori_jit.ops.ep.quant import combine_wire_decode, combine_wire_encode
 
 _HARNESS = r"""
@@ -79,16 +77,7 @@ extern "C" void wire_row(const void* x, int elem, int hidden, int quant, int sca
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ absent")
-    d = tmp_path_factory.mktemp("wire_host")
-    src, so = d / "harness.cpp", d / "harness.so"
-    src.write_text(_HARNESS)
-    p = subprocess.run([gxx, "-std=c++20", "-O2", "-ffp-contract=off", "-shared", "-fPIC", f"-I{kernels_dir()}",
-                        "-o", str(so), str(src)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    return ctypes.CDLL(str(so))
+    return host_harness(tmp_path_factory.mktemp("wire_host"), _HARNESS)
 
 
 def _kernel_row(lib, x: torch.Tensor, quant: str, scale_bytes: int):

@@ -14,6 +14,7 @@ import torch
 
 from mori_jit.jit.paths import kernels_dir
 from mori_jit.ops.ep.quant import DISPATCH_QUANT_TYPES, quantize
+from jit_helpers import host_harness
 from test_ep_quant import hard_rows
 
 SPEC = DISPATCH_QUANT_TYPES["fp8_e4m3_block128"]
@@ -74,16 +75,7 @@ extern "C" uint8_t fp8_of(float f) { return Fp8E4m3FromF32(f); }
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ absent")
-    d = tmp_path_factory.mktemp("quant_host")
-    src, so = d / "harness.cpp", d / "harness.so"
-    src.write_text(_HARNESS)
-    p = subprocess.run([gxx, "-std=c++20", "-O2", "-ffp-contract=off", "-shared", "-fPIC", f"-I{kernels_dir()}",
-                        "-o", str(so), str(src)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    lib = ctypes.CDLL(str(so))
+    lib = host_harness(tmp_path_factory.mktemp("quant_host"), _HARNESS)
     lib.fp8_of.restype = ctypes.c_uint8
     lib.fp8_of.argtypes = [ctypes.c_float]
     return lib
