@@ -17,7 +17,7 @@ import torch
 from ep_gpu_checks import identity_expert
 from test_ep_moe_cpu import CONFIGS as MOE_CONFIGS, EPR, H, K, M, _calls, _check_expert_major_combine, _received, \
     _scales, _values
-from mori_jit.testing.golden import golden_check, make_inputs
+from mori_jit.testing.golden import experts_per_rank_at, golden_check, make_inputs
 from mori_jit.testing.golden_moe import golden_check_experts
 
 FP8 = torch.float8_e4m3fn
@@ -32,8 +32,7 @@ OUTPUT_REGIONS = ("disp_out", "out_wts", "out_idx", "recv_to_src", "src_to_recv"
 
 
 def experts_per_rank(ws: int) -> int:
-    """EPR, or more where ws * EPR experts would be fewer than the top-k (world size 1)."""
-    return max(EPR, -(-K // ws))
+    return experts_per_rank_at(ws, EPR, K)
 
 
 def config(rank, ws, backend, fields=None, split=True):

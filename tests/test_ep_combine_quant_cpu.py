@@ -15,14 +15,13 @@ from mori_jit.ops.ep import EpConfigError, EpDispatchCombineConfig, EpDispatchCo
 from mori_jit.ops.ep.quant import (COMBINE_WIRE_QUANTS, DISPATCH_QUANT_TYPES, cast_e4m3, combine_wire_decode,
                                    combine_wire_encode, float32_reciprocal, quantize)
 from mori_jit.testing.distributed import run_distributed
-from mori_jit.testing.golden import make_inputs
+from mori_jit.testing.golden import experts_per_rank_at, make_inputs
 
 M, H, EPR, K = 16, 256, 3, 4
 
 
 def epr(ws: int) -> int:
-    """Experts per rank at ``ws`` ranks: EPR, or more where ws * EPR would be fewer than the top-k."""
-    return max(EPR, -(-K // ws))
+    return experts_per_rank_at(ws, EPR, K)
 #: (quant_type, combine_scale_type_size): every wire this file runs
 WIRES = [("fp8_direct_cast", 4), ("fp8_blockwise", 4), ("fp8_blockwise", 1)]
 

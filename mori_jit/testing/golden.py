@@ -48,6 +48,12 @@ def _bytes2d(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(rows, cols * t.element_size())
 
 
+def experts_per_rank_at(world_size: int, experts_per_rank: int, top_k: int) -> int:
+    """A check's experts per rank at ``world_size`` ranks: ``experts_per_rank``, or more where the
+    ranks would hold fewer experts than a token picks (top-k of fewer experts is refused)."""
+    return max(experts_per_rank, -(-top_k // world_size))
+
+
 def live_of(world_size: int, masked=()) -> tuple[int, ...]:
     """The ranks of ``range(world_size)`` not in ``masked``."""
     return tuple(r for r in range(world_size) if r not in set(masked))
