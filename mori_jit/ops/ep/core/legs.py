@@ -203,6 +203,7 @@ class Legs:
         """
         if getattr(input, "requires_grad", False) and torch.is_grad_enabled():
             return _train().combine_expert_major(self, input, routing, out)
+        self._refuse_closed()
         k = self._kernels if self._agree_per_call else self._live()
         if k.combine_expert_major is None:
             raise EpUnsupportedError(f"{type(self).__name__} has no expert-major combine")
@@ -215,8 +216,7 @@ class Legs:
     def _agree(self, call: str, of: int, weights_given: bool, check, *args) -> int:
         """The ranks' agreement on this call, at step ``(op number, call, of)`` (``of``: the dispatch it
         is or belongs to). A closed op refuses locally: its peers closed it with it (``close`` agrees)."""
-        if self._closed:
-            raise EpStateError("EpDispatchCombineOp is closed")
+        self._refuse_closed()
         group, watch = self._rank_mask.collective()
         watch.check_usable()
         return agree_on_arguments(group, (self._number, call, of), weights_given, check, *args)

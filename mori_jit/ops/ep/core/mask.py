@@ -127,44 +127,48 @@ class MaskSurface:
 
     _rank_mask: RankMask
 
+    def _open_mask(self) -> RankMask:
+        self._refuse_closed()  # (a closed op let go of its mask with its group)
+        return self._rank_mask
+
     def mask_rank(self, rank: int) -> None:
         """Mask ``rank``: from the next call on, this rank's kernels drop the tokens routed to its
         experts and neither send to nor wait for it. Local (every survivor calls it); ``reset()``
         after a failure then runs among the survivors."""
-        self._rank_mask.set(rank, True)
+        self._open_mask().set(rank, True)
 
     def unmask_rank(self, rank: int) -> None:
         """Unmask ``rank``; once every rank has, a reset of every rank takes it back."""
-        self._rank_mask.set(rank, False)
+        self._open_mask().set(rank, False)
 
     @property
     def active_ranks(self) -> tuple[int, ...]:
         """The ranks this rank does not mask, ascending."""
-        return self._rank_mask.live
+        return self._open_mask().live
 
     @property
     def rank_mask(self) -> Optional[torch.Tensor]:
         """int32 ``[world_size]`` on the op's device, 1 = masked: what the kernels read (do not write
         it: :meth:`mask_rank` keeps the host's view with it). None where masking is not served."""
-        return self._rank_mask.tensor
+        return self._open_mask().tensor
 
     @property
     def masked_pairs(self) -> Optional[torch.Tensor]:
         """int32 ``[1]`` on the op's device: the (token, expert) pairs of this rank's latest dispatch
         that were dropped because their expert's rank is masked (reading it on the host syncs)."""
-        return self._rank_mask.pairs
+        return self._open_mask().pairs
 
     def update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """DeepEP's name: mask ``rank_to_mask`` (``mask=True``) or unmask it."""
-        self._rank_mask.set(rank_to_mask, bool(mask))
+        self._open_mask().set(rank_to_mask, bool(mask))
 
     def query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """DeepEP's name: copy the mask (int32 ``[world_size]``, 1 = masked) into ``mask_status``."""
-        if self._rank_mask.tensor is None:
+        if self._open_mask().tensor is None:
             raise EpUnsupportedError(f"{type(self).__name__} does not serve rank masking")
-        mask_status.copy_(self._rank_mask.tensor, non_blocking=True)
+        mask_status.copy_(self._open_mask().tensor, non_blocking=True)
 
     def clean_mask_buffer(self) -> None:
         """DeepEP's name: unmask every rank."""
-        for r in sorted(self._rank_mask.masked):
-            self._rank_mask.set(r, False)
+        for r in sorted(self._open_mask().masked):
+            self._open_mask().set(r, False)

@@ -156,6 +156,14 @@ class EpDispatchCombineOp(Legs, SplitLegs, MoriSurface, MaskSurface, abc.ABC):
             self._abandon(EpStateError("close with masked ranks"))
         elif self.arena is not None:
             self.arena.close()
+        self._let_go_of_group()
+
+    def _let_go_of_group(self) -> None:
+        """Drop what reaches the process group (the op's, its mask's and its kernels' references), so
+        that a closed op that outlives ``destroy_process_group`` does not keep the group alive until
+        interpreter exit, where tearing down a gloo group's workers can abort the process."""
+        self.group = self._watch = self._rank_mask = self._routing = self._in_flight = None
+        self._kernels = self._pick = None
 
     def __enter__(self):
         return self
@@ -184,9 +192,12 @@ class EpDispatchCombineOp(Legs, SplitLegs, MoriSurface, MaskSurface, abc.ABC):
         """What the backend built (launch callables, schedule, capabilities): for diagnostics."""
         return self._kernels
 
-    def _live(self) -> KernelSet:
+    def _refuse_closed(self) -> None:
         if self._closed:
             raise EpStateError("EpDispatchCombineOp is closed")
+
+    def _live(self) -> KernelSet:
+        self._refuse_closed()
         self._kernels.check()
         return self._kernels
 
@@ -207,8 +218,7 @@ class EpDispatchCombineOp(Legs, SplitLegs, MoriSurface, MaskSurface, abc.ABC):
         """Collective: wait for the device, clear counters, flags and errors on every rank (which
         agree first, as in :meth:`close`: a barrier would pair with any peer's collective). With
         masked ranks, on the survivors alone (:mod:`.mask`; a masked rank is refused)."""
-        if self._closed:
-            raise EpStateError("EpDispatchCombineOp is closed")
+        self._refuse_closed()
         group, watch = self._rank_mask.before_reset()  # (after a mask change: among the survivors)
         watch.check_usable()
         agree_on_step(group, (self._number, "reset", None))
@@ -220,4 +230,5 @@ class EpDispatchCombineOp(Legs, SplitLegs, MoriSurface, MaskSurface, abc.ABC):
     def latest_routing(self):
         """The routing of this op's latest dispatch that was not a replay (None before the first): the
         only one ``combine``, ``combine_expert_major`` and a replay accept."""
+        self._refuse_closed()
         return self._routing

@@ -38,6 +38,7 @@ class MoriSurface:
         latest dispatch received, per local expert (mori's name of the counts
         ``cfg.expert_counts`` makes; the same tensor as ``EpDispatchResult.expert_counts``). Every
         dispatch refreshes it, whether or not it passes ``call_local_expert_count=True``."""
+        self._refuse_closed()
         if not self.cfg.expert_counts:
             raise EpUnsupportedError("local_expert_count: the op counts local experts only with "
                                      "EpDispatchCombineConfig.expert_counts=True")

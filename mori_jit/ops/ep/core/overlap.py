@@ -70,6 +70,7 @@ class SplitLegs:
 
     def _receive(self, leg: str, ticket: Optional[InFlight]) -> None:
         """Run the receive of ``leg``'s send (``ticket``: a hook's send; None: whichever is in flight)."""
+        self._refuse_closed()
         f = self._in_flight
         if f is None or f.leg != leg or (ticket is not None and ticket is not f):
             if ticket is not None:
