@@ -47,6 +47,11 @@ def golden_check_packed(lay, d, rank: int, E: int, A: int) -> None:
             assert (row[p], slot[p]) == (-1, -1), f"packed row {p}: padding expected, got {row[p], slot[p]}"
         else:
             assert (row[p], slot[p]) == pairs[p], f"packed row {p}: {pairs[p]} expected, got {row[p], slot[p]}"
+    pair_at = [[-1] * k for _ in range(cap)]
+    for p, pair in enumerate(pairs):
+        if pair is not None:
+            pair_at[pair[0]][pair[1]] = p
+    assert lay.pair_at.dtype == torch.int32 and lay.pair_at.tolist() == pair_at
     used = torch.tensor([q is not None for q in pairs])
     src_row = torch.tensor([q[0] if q else 0 for q in pairs])
     assert torch.equal(lay.x[used], d.out[src_row[used]]) and not lay.x[~used].any()
@@ -89,6 +94,8 @@ def test_pack_refuses_bad_arguments():
     lay = train.pack(d, 0, 2, 1)
     with pytest.raises(EpArgumentError, match=r"y: shape \[3, 8\]"):
         train.unpack(lay, torch.zeros(3, 8), 4)
+    with pytest.raises(EpArgumentError, match=r"num_rows: 5; allowed: 4 \(the dispatch's receive rows\)"):
+        train.unpack(lay, torch.zeros(lay.row.shape[0], 8), 5)
 
 
 def _op(rank, ws, M, H, E, k, **kw):

@@ -46,11 +46,13 @@ def row_mask(total_recv: torch.Tensor, rows: int) -> torch.Tensor:
 
 def take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``rows[index]`` for ``index`` in ``[0, len(rows)]``; the value ``len(rows)`` gives a zero row.
-    Differentiable in ``rows`` (its gradient is an index_add)."""
-    a = rows.shape[0]
-    picked = rows.index_select(0, index.clamp(0, max(a - 1, 0)))
-    keep = (index < a).reshape(-1, *([1] * (rows.dim() - 1)))
-    return torch.where(keep, picked, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    Differentiable in ``rows`` (its gradient is an index_add).
+
+    One gather from ``rows`` with a zero row appended: the copy is of ``len(rows)`` rows, where
+    masking the gathered rows would pass over ``len(index)`` rows twice (forward and backward), and
+    the packed layout gathers ``k`` times as many rows as it reads."""
+    zero = rows.new_zeros((1, *rows.shape[1:]))
+    return torch.cat((rows, zero)).index_select(0, index)
 
 
 def order_map(src_from: torch.Tensor, src_to: torch.Tensor, space: int) -> torch.Tensor:

@@ -51,6 +51,10 @@ class EpPackedLayout(NamedTuple):
     slot: Tensor
     """``[P]`` int32: which top-k slot of its row names the expert; ``-1`` marks padding."""
 
+    pair_at: Tensor
+    """``[cap, k]`` int32: the packed row of each receive row's top-k slot, ``-1`` where the slot
+    names no local expert (the inverse of ``row`` and ``slot``: what :func:`unpack` gathers by)."""
+
     def mask(self, y: Tensor) -> Tensor:
         """``y [P, ...]`` with every padding row zero, whatever it held (NaN included): a grouped GEMM
         leaves rows past ``offsets[-1]`` unspecified."""
@@ -93,19 +97,26 @@ def pack(d: TrainDispatch, rank: int, experts_per_rank: int, alignment: int = 1)
     x = take(out, torch.where(used, row, cap))
     w = None if d.weights is None else take(d.weights.reshape(-1, 1), pair_of).reshape(P)
     slot = torch.where(used, pair_of % k, -1)
+    pair_at = torch.where(dest < P, dest, -1).reshape(cap, k)
     return EpPackedLayout(x, w, ends.to(torch.int32), counts[:E].to(torch.int32), row.to(torch.int32),
-                          slot.to(torch.int32))
+                          slot.to(torch.int32), pair_at.to(torch.int32))
 
 
 def unpack(layout: EpPackedLayout, y: Tensor, num_rows: int) -> Tensor:
     """float32 ``[num_rows, H]``: per receive row, the sum of its packed rows of ``y [P, H]`` (the
-    experts' outputs, weighted on the expert side); padding rows never reach a sum. Differentiable."""
-    if y.dim() != 2 or y.shape[0] != layout.row.shape[0]:
-        raise EpArgumentError(f"y: shape {list(y.shape)}; allowed: [{layout.row.shape[0]}, hidden] (one row per "
-                              f"packed row)")
-    at = torch.where(layout.row >= 0, layout.row.long(), num_rows)
-    acc = torch.zeros((num_rows + 1, y.shape[1]), dtype=torch.float32, device=y.device)
-    return acc.index_add(0, at, layout.mask(y).float())[:num_rows]
+    experts' outputs, weighted on the expert side), in slot order; padding rows never reach a sum.
+    ``num_rows``: the dispatch's receive rows (``cap``). Differentiable.
+
+    A gather by ``pair_at`` and a float32 sum over the ``k`` slots: deterministic, and no pass over
+    the padding, no float32 copy of ``y`` and no atomics (a scatter-add would have all three)."""
+    P = layout.row.shape[0]
+    if y.dim() != 2 or y.shape[0] != P:
+        raise EpArgumentError(f"y: shape {list(y.shape)}; allowed: [{P}, hidden] (one row per packed row)")
+    cap, k = layout.pair_at.shape
+    if num_rows != cap:
+        raise EpArgumentError(f"num_rows: {num_rows!r}; allowed: {cap} (the dispatch's receive rows)")
+    at = torch.where(layout.pair_at >= 0, layout.pair_at.long(), P).reshape(-1)
+    return take(y, at).reshape(cap, k, y.shape[1]).sum(1, dtype=torch.float32)
 
 
 def combine_packed(handle: int, y: Tensor, layout: EpPackedLayout, d: TrainDispatch,
