@@ -28,6 +28,7 @@ process group and make a new one (and new ops on it).
 """
 from __future__ import annotations
 
+import datetime
 import time
 import weakref
 from typing import Any, Callable, Optional
@@ -70,6 +71,10 @@ class GroupWatch:
     def __init__(self, group):
         self.rank = dist.get_rank(group)
         self._store = _store_of(group)
+        # gloo's waits block on the work's condition variable and give up after a timeout with the
+        # work untouched: the host wakes when the collective ends. Other backends' waits order a
+        # stream and return, so their completion is polled.
+        self._blocking_waits = _backend_of(group) == "gloo"
         self.ops_made = 0
         #: the failure record that made this group unusable for the op, None while it is usable
         self.failed: Optional[str] = None
@@ -124,6 +129,7 @@ class GroupWatch:
         timeout = host_timeout_s()
         start = time.monotonic()
         read_at, pause = start + POLL_S, 20e-6
+        slice_ = datetime.timedelta(seconds=POLL_S)
         while not work.is_completed():
             now = time.monotonic()
             if now >= read_at:
@@ -136,8 +142,14 @@ class GroupWatch:
                 record = self.fail(f"{what}: rank {self.rank} waited {timeout:g} s (2 x MORI_EP_TIMEOUT_S) for its "
                                    f"peers, which did not join it")
                 raise EpPeerError(f"{record}; {_REMEDY}")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+            if self._blocking_waits:
+                try:
+                    work.wait(timeout=slice_)
+                except RuntimeError:  # (timed out, or failed: is_completed() tells, and wait() re-raises a failure)
+                    pass
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
 
 
 class Exchange:
@@ -189,6 +201,13 @@ class Exchange:
         if exc is not None and self._watch is not None and self._done < self._expected:
             self._watch.fail(f"rank {self._watch.rank} raised {type(exc).__name__} in {self._what}, where its peers "
                              f"wait in the exchange it left ({_short(exc)})")
+
+
+def _backend_of(group) -> str:
+    try:
+        return str(dist.get_backend(group)).lower()
+    except Exception:  # noqa: BLE001 - a group torch.distributed does not know: poll it
+        return ""
 
 
 def _store_of(group):
