@@ -3,7 +3,8 @@ them on gloo (test_ep_mask_cpu.py), the hip backend on GPUs (test_gpu_ep_mask.py
 
 A round is a dispatch (and a replay, with ``routing_replay``), a combine and the golden checks
 with the masked ranks' experts removed (``golden.golden_check(..., masked=...)``), over the
-survivors' group, plus the op's count of the pairs it dropped for them.
+survivors' group, plus the op's count of the pairs it dropped for them. ``layout`` (config fields,
+e.g. ``gpu_per_node`` and ``internode_kernel``) runs a job on the internode kernels.
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from mori_jit.testing.golden_moe import golden_check_experts
 MOE = dict(index_dtype=torch.int64, expert_counts=True, expert_capacity=64, routing_replay=True)
 
 
-def config(rank: int, ws: int, backend: str, moe: bool, m: int = 16, hidden: int = 128, k: int = 4):
-    """The jobs' config: 2 experts per rank, ``k`` of them per token."""
+def config(rank: int, ws: int, backend: str, moe: bool, m: int = 16, hidden: int = 128, k: int = 4,
+           layout=None):
+    """The jobs' config: 2 experts per rank, ``k`` of them per token; ``layout``: more fields."""
     return EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=hidden, max_num_inp_token_per_rank=m,
                                    num_experts_per_rank=2, num_experts_per_token=k, kernel_backend=backend,
-                                   **(MOE if moe else {}))
+                                   **(MOE if moe else {}), **(layout or {}))
 
 
 def checked_round(op, gen, device, masked=(), n=None) -> None:
@@ -57,7 +59,7 @@ def checked_round(op, gen, device, masked=(), n=None) -> None:
 
 def _meet(group, device) -> None:
     """Every live rank has finished reading this round's outputs before any dispatches again."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier(group=group)
 
@@ -73,12 +75,13 @@ def _wait_for(key: str, count: int, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def mask_and_rejoin_job(rank: int, ws: int, backend: str, moe: bool, device, gone: int, rounds: int = 3) -> None:
+def mask_and_rejoin_job(rank: int, ws: int, backend: str, moe: bool, device, gone: int, rounds: int = 3,
+                        layout=None) -> None:
     """Rank ``gone`` stays away (sleeps); the others mask it, serve, reset among themselves and
     serve again; ``gone``'s own reset is refused until every survivor unmasks it; then all reset
     together and serve every rank."""
     gen = torch.Generator().manual_seed(100 + rank)
-    op = EpDispatchCombineOp(config(rank, ws, backend, moe))
+    op = EpDispatchCombineOp(config(rank, ws, backend, moe, layout=layout))
     checked_round(op, gen, device)
     store = _store()
     if rank == gone:
@@ -114,13 +117,13 @@ def mask_and_rejoin_job(rank: int, ws: int, backend: str, moe: bool, device, gon
 
 
 def lost_rank_job(rank: int, ws: int, backend: str, moe: bool, device, gone: int, rounds: int = 50,
-                  how: str = "exit") -> None:
+                  how: str = "exit", layout=None) -> None:
     """Rank ``gone`` is lost in the middle of a run of rounds (``how``: it exits, or, with a
     harness that stops it, it is stopped); every survivor raises naming a peer's failure
     (EpPeerError from a host collective, EpDeviceError naming ``gone`` from a kernel's wait), masks
     it, resets, and its next ``rounds`` rounds pass the golden check over the live ranks."""
     gen = torch.Generator().manual_seed(200 + rank)
-    op = EpDispatchCombineOp(config(rank, ws, backend, moe))
+    op = EpDispatchCombineOp(config(rank, ws, backend, moe, layout=layout))
     for _ in range(2):
         checked_round(op, gen, device)
     if rank == gone:
@@ -162,13 +165,13 @@ def _wait_for_key(key: str, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def graph_after_mask_job(rank: int, ws: int, device, gone: int) -> None:
+def graph_after_mask_job(rank: int, ws: int, device, gone: int, layout=None) -> None:
     """A dispatch + combine captured in a graph before rank ``gone`` is masked replays correctly
     after: the kernels read the mask at every replay (hip backend)."""
     from mori_jit.testing.cuda_graph import capture
 
     gen = torch.Generator().manual_seed(300 + rank)
-    op = EpDispatchCombineOp(config(rank, ws, "hip", False))
+    op = EpDispatchCombineOp(config(rank, ws, "hip", False, layout=layout))
     cfg = op.cfg
     x, w, idx = make_inputs(rank, cfg.max_num_inp_token_per_rank, cfg.hidden_dim, cfg.num_experts_per_token,
                             cfg.num_experts, cfg.dispatch_dtype, device, gen)
@@ -195,6 +198,7 @@ def graph_after_mask_job(rank: int, ws: int, device, gone: int) -> None:
             assert int(op.masked_pairs.item()) == masked_pairs(idx, ws, cfg.num_experts_per_rank, masked)
             golden_check(group, rank, ws, cfg.max_num_inp_token_per_rank, cfg.num_experts_per_rank, x, w, idx,
                          outs[0], outs[1], outs[2], outs[3], outs[4], y, y_w, masked=masked)
+            _meet(group, device)  # (the next replay, on any rank, rewrites these rows)
     if rank != gone:
         _store().add("graph_done", 1)
         del graph

@@ -103,7 +103,7 @@ struct EpArgs {
   uint64_t off_out_scales;  // received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales
   uint64_t off_expert_adds;  // received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts
   uint64_t off_expert_counts;  // the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts
-  uint64_t off_rank_mask;  // masked ranks [EP_MAX_PEERS] i32, 1 = masked: their experts dropped, no send, count or wait for them (local; the op writes it, every call reads it)
+  uint64_t off_rank_mask;  // masked ranks [most ranks] i32, 1 = masked: their experts dropped, no send, count or wait for them (local; the op writes it, every call reads it)
   uint64_t off_masked_pairs;  // (token, expert) pairs dropped for a masked rank [3] u32: two by epoch parity (this rank's blocks add), then the last dispatch's (local)
   uint64_t off_exp_cursor;  // expert-major layout: next entry per local expert [numExpertPerRank] u32 (local; the dispatch zeroes it, the layout kernel claims); none without expertCapacity
   uint64_t off_exp_x;  // expert-major layout: rows [numExpertPerRank, expertCapacity, tokenBytes] (local)

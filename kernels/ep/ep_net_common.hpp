@@ -15,6 +15,12 @@ MORI_DEVICE P* Local(const EpNetArgs& a, uint64_t off) {
   return reinterpret_cast<P*>(a.base + off);
 }
 
+// Rank masking (docs/design.md §6): the op writes rank_mask between calls and every kernel reads it,
+// so a captured graph follows a change. No wait, signal or put of these helpers concerns a masked
+// rank; v2_ll also drops a masked rank's experts (ep_net_ll.hpp). An op that builds v2 refuses
+// masking, so v2 reads an all-zero mask here.
+MORI_DEVICE bool Masked(const EpNetArgs& a, int pe) { return Local<const int>(a, a.off_rank_mask)[pe] != 0; }
+
 // Row `row` of the signals region: one u64 word per writing rank.
 template <EpNetCfg kCfg>
 MORI_DEVICE uint64_t* Signals(const EpNetArgs& a, NetSignal row) {
@@ -34,7 +40,10 @@ MORI_DEVICE void MarkShortRows(const EpNetArgs& a, int rows, int total, int maxT
   int* marks = Local<int>(a, a.off_comb_short);
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   if (plat::lane_id() != 0) return;
-  for (int i = rows + warp; i < total; i += warps) transport::put_int(marks + a.rank, epoch, recv_to_src[i] / maxTokPerRank);
+  for (int i = rows + warp; i < total; i += warps) {
+    const int home = recv_to_src[i] / maxTokPerRank;
+    if (!Masked(a, home)) transport::put_int(marks + a.rank, epoch, home);
+  }
 }
 MORI_DEVICE void ReportShortPeers(const EpNetArgs& a, int worldSize, int epoch) {
   if (blockIdx.x != 0) return;
@@ -71,7 +80,8 @@ MORI_DEVICE Ranks SameLocalIndex(int rank) {
 template <EpNetCfg kCfg>
 MORI_DEVICE void WaitRanks(const EpNetArgs& a, NetSignal row, uint64_t target, NetWaitId wait, Ranks ranks) {
   const uint64_t* words = Signals<kCfg>(a, row);
-  for (int i = threadIdx.x; i < ranks.count; i += blockDim.x) WaitAtLeast(a, words + ranks[i], target, wait, ranks[i]);
+  for (int i = threadIdx.x; i < ranks.count; i += blockDim.x)
+    if (!Masked(a, ranks[i])) WaitAtLeast(a, words + ranks[i], target, wait, ranks[i]);
   __syncthreads();
 }
 template <EpNetCfg kCfg>
@@ -139,7 +149,8 @@ MORI_DEVICE void CompleteBlock() {
 template <EpNetCfg kCfg>
 MORI_DEVICE void SignalRanks(const EpNetArgs& a, NetSignal row, uint64_t value, Ranks ranks) {
   uint64_t* word = Signals<kCfg>(a, row) + a.rank;
-  for (int i = 0; i < ranks.count; ++i) transport::signal_add(word, value, ranks[i]);
+  for (int i = 0; i < ranks.count; ++i)
+    if (!Masked(a, ranks[i])) transport::signal_add(word, value, ranks[i]);
 }
 // Every thread of the block: CompleteBlock, then thread 0's SignalRanks.
 template <EpNetCfg kCfg>

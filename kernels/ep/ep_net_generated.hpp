@@ -82,6 +82,8 @@ struct EpNetArgs {
   uint64_t off_recv_relay;  // v2: relay index of each received row [maxRecv] i32 (written by this node's forwarders)
   uint64_t off_comb_relay;  // v2: combine rows to sum [nodes * M, gpuPerNode, combTokenBytes] (written by this node's ranks)
   uint64_t off_comb_relay_wts;  // v2: their weights [nodes * M, gpuPerNode, k] f32 (written by this node's ranks)
+  uint64_t off_rank_mask;  // masked ranks [most ranks] i32, 1 = masked: their experts dropped, no send, count or wait for them (local; the op writes it, every call reads it)
+  uint64_t off_masked_pairs;  // (token, expert) pairs dropped for a masked rank [3] u32: two by epoch parity (this rank's blocks add), then the last dispatch's (local)
 };
 static_assert(offsetof(EpNetArgs, inpTok) == 0, "EpNetArgs.inpTok moved");
 static_assert(offsetof(EpNetArgs, inpWeights) == 8, "EpNetArgs.inpWeights moved");
@@ -117,7 +119,9 @@ static_assert(offsetof(EpNetArgs, off_relay_out_cnt) == 232, "EpNetArgs.off_rela
 static_assert(offsetof(EpNetArgs, off_recv_relay) == 240, "EpNetArgs.off_recv_relay moved");
 static_assert(offsetof(EpNetArgs, off_comb_relay) == 248, "EpNetArgs.off_comb_relay moved");
 static_assert(offsetof(EpNetArgs, off_comb_relay_wts) == 256, "EpNetArgs.off_comb_relay_wts moved");
-static_assert(sizeof(EpNetArgs) == 264, "EpNetArgs size changed");
+static_assert(offsetof(EpNetArgs, off_rank_mask) == 264, "EpNetArgs.off_rank_mask moved");
+static_assert(offsetof(EpNetArgs, off_masked_pairs) == 272, "EpNetArgs.off_masked_pairs moved");
+static_assert(sizeof(EpNetArgs) == 280, "EpNetArgs size changed");
 
 }  // namespace mori::epnet
 #endif  // MORI_JIT_GEN_EP_EP_NET_GENERATED_HPP

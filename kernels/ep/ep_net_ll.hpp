@@ -26,10 +26,30 @@
 // previous combine send and dispatch receive); the receive kernel (the dispatch's: one block) waits
 // for its own rank's send through the signal the ended send kernel raised, and reads its epochs
 // through LegEpochs.
+// Rank masking (docs/design.md §6): a valid id of a masked rank's expert is dropped as an invalid
+// one and counted (masked_pairs); no phase claims on, writes to, signals or waits for a masked rank
+// (the helpers of ep_net_common.hpp skip it), and the combine sums the live ranks' rows only.
 #pragma once
 #include "ep/ep_net_common.hpp"
 
 namespace mori::epnet {
+
+// The dispatch's count of the (token, expert) pairs it dropped for a masked rank: two words by the
+// dispatch epoch's parity (this rank's blocks add), then the last dispatch's (block 0 publishes).
+MORI_DEVICE unsigned* MaskedPairs(const EpNetArgs& a) { return Local<unsigned>(a, a.off_masked_pairs); }
+
+// DistinctDestRank less the masked ranks; lane 0 adds the warp's pairs of a masked rank's expert
+// to `drops`.
+template <EpNetCfg kCfg>
+MORI_DEVICE int LiveDestRank(const EpNetArgs& a, int t, unsigned* drops) {
+  constexpr int kK = kCfg.numExpertPerToken;
+  const int lane = plat::lane_id();
+  const int e = lane < kK ? a.inpIndices[t * kK + lane] : -1;
+  const uint64_t masked = plat::ballot(e >= 0 && e < NetNumExperts(kCfg) && Masked(a, e / kCfg.numExpertPerRank));
+  if (lane == 0 && masked) plat::atomic_add_device(drops, unsigned(plat::popcount(masked)));
+  const int pe = DistinctDestRank<kCfg>(a, t);
+  return pe >= 0 && Masked(a, pe) ? -1 : pe;
+}
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void LlDispatchSend(const EpNetArgs& a, const NetEpochs& e) {
@@ -48,8 +68,9 @@ MORI_DEVICE void LlDispatchSend(const EpNetArgs& a, const NetEpochs& e) {
   int* stage_meta = Local<int>(a, a.off_disp_stage_meta);
   const char* inp = static_cast<const char*>(a.inpTok);
   const bool weights = a.inpWeights != nullptr;
+  unsigned* drops = MaskedPairs(a) + ((e.disp + 1) & 1);  // (this dispatch's epoch)
   for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
-    const int pe = DistinctDestRank<kCfg>(a, t);
+    const int pe = LiveDestRank<kCfg>(a, t, drops);
     if (lane < kK) tok_dest[t * kK + lane] = pe;
     // one claim per destination rank, all in flight at once
     const int slot = pe >= 0 ? transport::atomic_fetch_add(recv_cnt, 1, pe) : -1;
@@ -89,6 +110,12 @@ template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void LlDispatchRecv(const EpNetArgs& a, const NetEpochs& e) {
   WaitEveryRank<kCfg>(a, kSigDispDone, (e.disp + 1) * kDoneUnit, kNetWaitDispatchDone);
   PublishTotalRecv(a);
+  if (threadIdx.x == 0) {  // (this rank's blocks are done: their adds are in)
+    unsigned* drops = MaskedPairs(a);
+    const int parity = int((e.disp + 1) & 1);
+    drops[2] = unsigned(plat::load_volatile(reinterpret_cast<const int*>(drops + parity)));
+    drops[parity] = 0;
+  }
   SignalEveryRank<kCfg>(a, kSigSlotsFree, 1);
 }
 
@@ -110,6 +137,7 @@ MORI_DEVICE void LlCombineSend(const EpNetArgs& a, const NetEpochs& e) {
   float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
   for (int i = GridWarp<kCfg>(); i < rows; i += GridWarps<kCfg>()) {
     const int src = recv_to_src[i];
+    if (Masked(a, src / kM)) continue;  // (a row of a rank masked since the dispatch: no home to sum it)
     const size_t at = size_t(a.rank) * kM + src % kM;  // comb_recv[this rank, token] on the home rank
     PushCombineRow<kCfg>(a, i, comb_recv + at * kTok, comb_recv_wts + at * kK, src / kM);
   }
@@ -129,7 +157,7 @@ MORI_DEVICE void LlCombineRecv(const EpNetArgs& a, const NetEpochs& e) {
     int nd = 0;
     for (int j = 0; j < kK; ++j) {
       const int pj = plat::shfl(mine, j);
-      if (pj >= 0) dest[nd++] = pj;
+      if (pj >= 0 && !Masked(a, pj)) dest[nd++] = pj;  // (a rank masked since the dispatch sent nothing)
     }
     SumCombRows<kCfg, T>(a, t, dest, nd);
   }

@@ -30,7 +30,8 @@ class KernelSet:
     zero-argument ``receive`` has run (:mod:`mori_jit.ops.ep.core.overlap`).
     Rank masking (None: not served, :mod:`mori_jit.ops.ep.core.mask`): ``rank_mask`` int32
     ``[world_size]`` on the device, 1 = masked, read by every call; ``masked_pairs`` int32 ``[1]``,
-    the (token, expert) pairs the latest dispatch dropped for a masked rank.
+    the (token, expert) pairs the latest dispatch dropped for a masked rank; ``mask_refusal``, when
+    they are None, why (the refusal's message names what serves masking).
     """
 
     dispatch: Callable[..., tuple]
@@ -48,3 +49,4 @@ class KernelSet:
     combine_send: Optional[Callable[..., tuple[tuple, Callable[[], None]]]] = None
     rank_mask: Optional[torch.Tensor] = None
     masked_pairs: Optional[torch.Tensor] = None
+    mask_refusal: str = ""

@@ -79,9 +79,10 @@ class RankMask:
         if r == self.rank:
             raise EpArgumentError(f"rank={r}: a rank does not mask itself (its peers mask it)")
         if self.tensor is None:
-            what = "the internode kernels" if self._op.cfg.is_internode else type(self._op).__name__
-            raise EpUnsupportedError(f"rank masking (mask_rank({r})): {what} do not serve it; the intranode hip "
-                                     f"kernels and the torch backend do")
+            why = self._op._kernels.mask_refusal or (f"{type(self._op).__name__} does not serve it; the hip kernels "
+                                                     f"(intranode, and internode_kernel='v2_ll') and the torch "
+                                                     f"backend do")
+            raise EpUnsupportedError(f"rank masking (mask_rank({r})): {why}")
         if masked == (r in self.masked):
             return
         self.masked = self.masked | {r} if masked else self.masked - {r}

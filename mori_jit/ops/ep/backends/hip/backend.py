@@ -23,7 +23,7 @@ from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.intranode.errors import WAIT_MESSAGES, decode_error
 from mori_jit.ops.ep.backends.hip.common.wait_errors import waited_for
 from mori_jit.ops.ep.backends.hip.common.grid import ranks_dividing_cus
-from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views, split_launches
+from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, mask_views, receive_views, split_launches
 from mori_jit.ops.ep.core.op import EpDispatchCombineOp, KernelSet
 from mori_jit.ops.ep.backends.hip.intranode.moe_views import ExpertLayouts, ScaleViews, expert_major_combine
 from mori_jit.ops.ep.quant import ue8m0_dtype
@@ -85,7 +85,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         assert arena is not None
         if cfg.is_internode:
             from mori_jit.ops.ep.backends.hip.internode.kernels import build_net_kernels
-            return build_net_kernels(cfg, arena, self._variants, self._toolchain, self.device, self.group)
+            return build_net_kernels(cfg, arena, self._variants, self._toolchain, self.device, lambda: self._rank_mask)
         var, tc, dev = self._variants, self._toolchain, self.device
         low = var.combine[0].lowLatency  # (one value for every variant: it sizes regions)
         if low:  # before any peer's first combine pushes here (construction is collective)
@@ -236,5 +236,4 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
                          replay=replay if cfg.routing_replay else None, combine_expert_major=expert_combine,
                          dispatch_send=dispatch_send if var.split else None,
                          combine_send=combine_send if var.split else None,
-                         rank_mask=arena.view("rank_mask", torch.int32, (cfg.world_size,)),
-                         masked_pairs=arena.view("masked_pairs", torch.int32, (3,))[2:])
+                         **mask_views(arena, cfg.world_size))

@@ -13,7 +13,7 @@ from mori_jit.jit.fields import cfg_fields
 from mori_jit.ops.ep.backends.hip.common.consts import EpDType, EpPhase
 
 __all__ = ["DISPATCH", "COMBINE", "LAYOUT", "EXPERT_SUM", "ELEM_TYPES", "ELEM_BYTES", "MAX_RECV", "SUMMABLE", "all_of",
-           "rule_problems", "leg_io_args", "SPLIT_PHASES", "phase_suffix", "halves"]
+           "rule_problems", "leg_io_args", "SPLIT_PHASES", "phase_suffix", "halves", "MASK_REGIONS", "mask_region_bytes"]
 
 #: The legs of the op, each a kernel.
 DISPATCH, COMBINE = "dispatch", "combine"
@@ -34,6 +34,19 @@ ELEM_BYTES = where(C.dtype.eq(EpDType.Fp32), 4, where(C.dtype.eq(EpDType.Bf16), 
 MAX_RECV = where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv)
 #: The dtype can be reduced (a combine's): bf16 and fp32.
 SUMMABLE = C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32)
+
+#: Rank masking's two arena regions (docs/design.md §6, "Rank masking"), the same in both families'
+#: tables (name → doc; sizes: :func:`mask_region_bytes`). Local: the op writes the mask between
+#: calls and every kernel reads it, so a captured graph follows a change.
+MASK_REGIONS: dict[str, str] = {
+    "rank_mask": "masked ranks [most ranks] i32, 1 = masked: their experts dropped, no send, count or wait for them (local; the op writes it, every call reads it)",
+    "masked_pairs": "(token, expert) pairs dropped for a masked rank [3] u32: two by epoch parity (this rank's blocks add), then the last dispatch's (local)",
+}
+
+
+def mask_region_bytes(ranks: int) -> dict[str, int]:
+    """Bytes of :data:`MASK_REGIONS` for a family of at most ``ranks`` ranks."""
+    return {"rank_mask": ranks * 4, "masked_pairs": 3 * 4}
 
 
 def all_of(rules: Sequence[tuple[Any, str]]):

@@ -14,7 +14,7 @@ from mori_jit.ops.ep import knobs
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH, SPLIT_PHASES
 
 __all__ = ["HipRouting", "ReceiveViews", "receive_views", "_weights_ptr", "CombineOutputs", "ErrorWords", "base_args", "make_combine", "make_combine_send",
-           "SendStream", "split_launches", "InputBuffer", "collective_reset"]
+           "SendStream", "split_launches", "InputBuffer", "collective_reset", "mask_views"]
 
 
 class HipRouting(NamedTuple):
@@ -48,6 +48,13 @@ def receive_views(arena, cfg, cap: int) -> ReceiveViews:
                         arena.view("out_idx", cfg.index_dtype, (cap, k)),
                         arena.view("recv_to_src", torch.int32, (cap,)),
                         arena.view("total_recv", torch.int32, (1,)))
+
+
+def mask_views(arena, world_size: int) -> dict:
+    """The KernelSet's rank masking over the arena's ``MASK_REGIONS`` (``common.cfg``): ``rank_mask``
+    int32 ``[world_size]`` and ``masked_pairs``, the last dispatch's count (the region's third word)."""
+    return {"rank_mask": arena.view("rank_mask", torch.int32, (world_size,)),
+            "masked_pairs": arena.view("masked_pairs", torch.int32, (3,))[2:]}
 
 
 def _weights_ptr(t: Optional[torch.Tensor], given: int) -> int:

@@ -24,7 +24,7 @@ from mori_jit.jit.expr import C, Derived, max_
 from mori_jit.jit.fields import CConst, ConfigError, apply_request
 from mori_jit.jit.toolchain import vendor_of, wave_size_for_arch
 
-from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, leg_io_args, rule_problems
+from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_BYTES, MASK_REGIONS, MAX_RECV, SUMMABLE, all_of, leg_io_args, mask_region_bytes, rule_problems
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
 from mori_jit.ops.ep.backends.hip.common.consts import EpDType, EpPhase, ErrCode, FlagUnit
@@ -152,6 +152,7 @@ EP_NET_REGIONS: dict[str, str] = {
     "recv_relay": "v2: relay index of each received row [maxRecv] i32 (written by this node's forwarders)",
     "comb_relay": "v2: combine rows to sum [nodes * M, gpuPerNode, combTokenBytes] (written by this node's ranks)",
     "comb_relay_wts": "v2: their weights [nodes * M, gpuPerNode, k] f32 (written by this node's ranks)",
+    **MASK_REGIONS,  # (v2_ll reads them; an op that builds v2 refuses masking: docs/design.md §6)
 }
 
 EP_NET_ARGS = ArgsSchema("EpNetArgs", [
@@ -181,7 +182,7 @@ def net_region_bytes(disp: EpNetCfg, comb: EpNetCfg, families=("v2_ll",)) -> dic
         "comb_stage_wts": recv * k * 4, "signals": len(NetSignal) * ws * 8, "comb_short": ws * 4, "sync": 4 * 8,
         "relay": v2 * nodes * m * tok, "relay_meta": v2 * nodes * m * meta, "relay_stage_meta": v2 * m * nodes * meta,
         "relay_out_cnt": v2 * nodes * 4, "recv_relay": v2 * recv * 4, "comb_relay": v2 * ws * m * ctok,
-        "comb_relay_wts": v2 * ws * m * k * 4,
+        "comb_relay_wts": v2 * ws * m * k * 4, **mask_region_bytes(ws),
     }
 
 

@@ -7,8 +7,14 @@ hand back its receive kernel, on the same struct (``common.host``: ``split_launc
 ``make_combine_send``; the op's ``core.overlap`` does the rest, as for the intranode kernels).
 Device errors (timed-out waits, a short combine input) land in host-mapped words that the next
 call reads without syncing. Outputs and the routing are the intranode op's (same contract).
+Rank masking (``core.mask``) is served by an op whose every bucket is ``v2_ll``
+(``variants.mask_refusal`` says why another is not); the reset runs on the op's host group of the
+moment, the survivors' once a rank is masked: a torch process group, never an NVSHMEM collective,
+which would wait for every PE, a dead one included.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -18,24 +24,27 @@ from mori_jit.jit.plan import prepare
 from mori_jit.ops.ep.memory.arena import SymmArena
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.internode.errors import NET_WAIT_MESSAGES, decode_net_error
-from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, receive_views, split_launches
+from mori_jit.ops.ep.backends.hip.common.host import CombineOutputs, ErrorWords, HipRouting, InputBuffer, SendStream, _weights_ptr, base_args, collective_reset, make_combine, make_combine_send, mask_views, receive_views, split_launches
 from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_ARGS, EP_NET_REGIONS, NetMaxRecv, net_region_bytes
 from mori_jit.ops.ep.backends.hip.internode.specs import net_spec
-from mori_jit.ops.ep.backends.hip.internode.variants import NetVariants
+from mori_jit.ops.ep.backends.hip.internode.variants import NetVariants, mask_refusal
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
-from mori_jit.ops.ep.backends.hip.common.consts import EpPhase
+from mori_jit.ops.ep.backends.hip.common.consts import EpPhase, ErrCode
+from mori_jit.ops.ep.backends.hip.common.wait_errors import waited_for
 from mori_jit.ops.ep.core.op import KernelSet
 from mori_jit.ops.ep.errors import EpDeviceError
 
 __all__ = ["build_net_kernels", "net_regions", "decode_net_error", "NET_WAIT_MESSAGES", "NET_SYNC_REGIONS"]
 
 #: Counters, signals, epoch tags and error claims: zeroed by reset().
-NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "comb_short", "sync", "relay_meta", "relay_out_cnt")
+NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "comb_short", "sync", "relay_meta", "relay_out_cnt",
+                    "masked_pairs")  # (not rank_mask: the mask outlives a reset, which runs among the survivors)
 
 
 def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVariants, toolchain,
-                      device: torch.device, group) -> KernelSet:
-    """Compile and load both legs of every bucket of ``var`` and return the op's KernelSet."""
+                      device: torch.device, rank_mask: Callable) -> KernelSet:
+    """Compile and load both legs of every bucket of ``var`` and return the op's KernelSet;
+    ``rank_mask()`` is the op's ``core.mask.RankMask`` (made after this returns)."""
     requests = var.requests()
     build_many(requests, toolchain)  # misses compile in parallel; loading stays on this thread
     plans = {(spec.name, c): prepare(spec, c, toolchain, device) for spec, c in requests}
@@ -93,7 +102,9 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
 
     def check():
         if err_words[0]:
-            raise EpDeviceError(decode_net_error(list(err_words)) + "; call op.reset() (collective)")
+            peer = waited_for(err_words[1]) if err_words[0] == ErrCode.kErrTimeout else None
+            rank_mask().saw_timeout(peer)  # (MORI_EP_MASK_ON_TIMEOUT; core/mask.py)
+            raise EpDeviceError(decode_net_error(list(err_words)) + "; call op.reset() (collective)", peer=peer)
 
     def clear():
         arena.zero(*NET_SYNC_REGIONS)
@@ -104,13 +115,15 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
         err.release()
         inp_buffer.release()
 
+    refusal = mask_refusal(cfg, var.families)
+    masking = {} if refusal else mask_views(arena, cfg.world_size)
     return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
                      capabilities=frozenset({"graph", "zero_copy_combine", "internode"}),
-                     check=check, reset=lambda: collective_reset(device, group, clear),
+                     check=check, reset=lambda: collective_reset(device, rank_mask().collective()[0], clear),
                      combine_input_buffer=inp_buffer.get, close=close,
                      bound_launches={DISPATCH: tuple(disp_launches), COMBINE: tuple(comb_launches)},
                      dispatch_send=dispatch_send if var.split else None,
-                     combine_send=combine_send if var.split else None)
+                     combine_send=combine_send if var.split else None, mask_refusal=refusal, **masking)
 
 
 def net_regions(var: NetVariants) -> dict[str, int]:

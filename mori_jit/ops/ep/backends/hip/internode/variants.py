@@ -27,7 +27,7 @@ from mori_jit.ops.ep.backends.hip.common.request import GridShare, ep_dtype, ker
 from mori_jit.ops.ep.core.schedule import Schedule
 from mori_jit.ops.ep.errors import EpConfigError
 
-__all__ = ["NetVariants", "net_variants", "internode_gaps", "bucket_families", "BUILT_FAMILIES"]
+__all__ = ["NetVariants", "net_variants", "internode_gaps", "bucket_families", "mask_refusal", "BUILT_FAMILIES"]
 
 #: The internode families whose kernels exist (see internode.specs.FAMILY_BODIES).
 BUILT_FAMILIES = ("v2_ll", "v2")
@@ -114,6 +114,25 @@ def internode_gaps(cfg: EpDispatchCombineConfig, arch: Optional[str] = None) -> 
         else:
             missing.append(f"{where}: internode_kernel={fam!r} is not built yet (built: {', '.join(BUILT_FAMILIES)})")
     return missing
+
+
+def mask_refusal(cfg: EpDispatchCombineConfig, families: tuple[str, ...]) -> str:
+    """Why an internode op whose buckets are ``families`` does not serve rank masking, or "" when it
+    does (every bucket ``v2_ll``). ``v2`` forwards each token through one rank of every destination
+    node (the one with the source's local index), so a masked rank also relays the tokens of every
+    source of its local index into its node: dropping its own experts would not keep the live
+    ranks' tokens whole (docs/design.md §6, "Rank masking")."""
+    if "v2" not in families:
+        return ""
+    why = f"internode_kernel={cfg.internode_kernel!r}"
+    if cfg.internode_kernel == "auto":
+        why += (f" with max_num_inp_token_per_rank={cfg.max_num_inp_token_per_rank} > internode_auto_ll_max_tokens="
+                f"{cfg.internode_auto_ll_max_tokens}")
+    return (f"{why} builds the 'v2' family, which forwards every token through a relay rank of each "
+            f"destination node: a masked rank relays for other ranks, so its loss cannot be served by dropping "
+            f"its experts alone. Masking is served by internode_kernel='v2_ll' (every rank sends straight to "
+            f"every rank, as DeepEP masks in its low-latency mode only), or 'auto' with "
+            f"max_num_inp_token_per_rank <= internode_auto_ll_max_tokens (v2_ll alone)")
 
 
 def _rows(cfg: EpDispatchCombineConfig, arch: str, share: GridShare) -> tuple:

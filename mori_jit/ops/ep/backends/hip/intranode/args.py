@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mori_jit.jit.args import ArgsSchema, i32, ptr, u64
 
-from mori_jit.ops.ep.backends.hip.common.cfg import leg_io_args
+from mori_jit.ops.ep.backends.hip.common.cfg import MASK_REGIONS, leg_io_args
 
 __all__ = ["EP_MAX_PEERS", "EP_REGIONS", "EP_ARGS"]
 
@@ -31,8 +31,7 @@ EP_REGIONS: dict[str, str] = {
     "out_scales": "received per-token scales [maxRecv, scaleDim] of scaleTypeSize bytes (written by peers); none without scales",
     "expert_adds": "received (token, local expert) pairs [2, numExpertPerRank] i32, by epoch parity (peers add atomically); none without expertCounts",
     "expert_counts": "the last dispatch's received (token, local expert) pairs [numExpertPerRank] i32 (local); none without expertCounts",
-    "rank_mask": "masked ranks [EP_MAX_PEERS] i32, 1 = masked: their experts dropped, no send, count or wait for them (local; the op writes it, every call reads it)",
-    "masked_pairs": "(token, expert) pairs dropped for a masked rank [3] u32: two by epoch parity (this rank's blocks add), then the last dispatch's (local)",
+    **MASK_REGIONS,
     "exp_cursor": "expert-major layout: next entry per local expert [numExpertPerRank] u32 (local; the dispatch zeroes it, the layout kernel claims); none without expertCapacity",
     "exp_x": "expert-major layout: rows [numExpertPerRank, expertCapacity, tokenBytes] (local)",
     "exp_scales": "expert-major layout: scales [numExpertPerRank, expertCapacity, scaleDim * scaleTypeSize bytes] (local)",

@@ -15,7 +15,7 @@ from mori_jit.jit.fields import ConfigError, apply_request, cfg_fields
 from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 
 from mori_jit.ops.ep import knobs
-from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, rule_problems
+from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, mask_region_bytes, rule_problems
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.backends.hip.intranode.args import EP_ARGS, EP_MAX_PEERS, EP_REGIONS
 from mori_jit.ops.ep.backends.hip.common.consts import EP_STAMP_WORDS, EP_SYNC_WORDS, SYNC_PAIRS, CombWord, EpCombineQuant, EpDType, EpPhase, ErrCode, FlagUnit, Stamp, SyncWord, WaitId, XdbRow
@@ -200,7 +200,7 @@ def region_bytes(disp: EpCfg, comb: EpCfg) -> dict[str, int]:
         "out_scales": recv * disp.scaleDim * disp.scaleTypeSize,
         "expert_adds": 2 * disp.numExpertPerRank * 4 if disp.expertCounts else 0,
         "expert_counts": disp.numExpertPerRank * 4 if disp.expertCounts else 0,
-        "rank_mask": EP_MAX_PEERS * 4, "masked_pairs": 3 * 4,
+        **mask_region_bytes(EP_MAX_PEERS),
         **_layout_bytes(disp),
     }
 
