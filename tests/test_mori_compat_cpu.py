@@ -208,5 +208,9 @@ def test_cli_ep_fields_take_both_quantizations():
     with pytest.raises(EpConfigError, match=r"the hip op does not support: quant_type='fp4_blockwise' \(mori's "
                                             r"combine-wire quantization"):
         precompile_targets({**base, "quant_type": "fp4_blockwise"}, "sm_90a")
-    with pytest.raises(EpConfigError, match=r"quant_type='fp8_blockwise' on the internode kernels"):
-        precompile_targets({**base, "world_size": "4", "gpu_per_node": "2", "quant_type": "fp8_blockwise"}, "sm_90a")
+    net = {**base, "world_size": "4", "gpu_per_node": "2", "quant_type": "fp8_blockwise"}
+    names = [spec.entry_name(c) for spec, c in precompile_targets(net, "sm_90a")]
+    assert any(n.startswith("mori_epll_combine_") and n.endswith("_w8b4") for n in names), names
+    with pytest.raises(EpConfigError, match=r"quant_type='fp4_blockwise' \(mori's combine-wire quantization; this "
+                                            r"backend serves 'none', 'fp8_direct_cast', 'fp8_blockwise'\)"):
+        precompile_targets({**net, "quant_type": "fp4_blockwise"}, "sm_90a")

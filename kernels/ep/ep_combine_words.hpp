@@ -3,8 +3,8 @@
 #pragma once
 #include <type_traits>
 
-#include "ep/ep_combine_wire.hpp"
 #include "ep/ep_common.hpp"
+#include "ep/ep_wire_row.hpp"
 
 namespace mori::ep {
 
@@ -51,82 +51,13 @@ MORI_DEVICE bool WeightArrived(uint64_t v, uint64_t target) { return uint32_t(v 
 template <bool kLow>
 using CombWeight = std::conditional_t<kLow, uint64_t, float>;
 
-// The fp8 wire of a combine row (kCfg.combineQuant; numerics in ep_combine_wire.hpp): 16-byte
-// vector v of a row (its elements) travels as kWords words at v * kVecBytes, and (Fp8Block) its
-// block's scale word at hiddenDim + (v / kLanes) * 4 bytes, within an EpWireBytes row. The kLanes
-// vectors of a block sit on kLanes aligned lanes of one wave on both sides (a row is whole blocks,
-// and a wave's vectors of a row are consecutive from a multiple of the wave size).
+// The fp8 wire of a combine row (kCfg.combineQuant; layout and numerics in ep_wire_row.hpp), in
+// rows of EpWireBytes.
 template <EpCfg kCfg>
-struct CombWire {
-  static constexpr bool kQuant = kCfg.combineQuant != EpCombineQuant::Plain;
-  static constexpr bool kBlock = kCfg.combineQuant == EpCombineQuant::Fp8Block;
-  static constexpr int kElem = EpElemBytes(kCfg), kWords = 16 / kElem / 4, kVecBytes = 4 * kWords;
-  static constexpr int kLanes = 128 * kElem / 16, kRowBytes = EpWireBytes(kCfg);
-  using Vec = WireVec<kWords>;
-  static_assert(!kBlock || kLanes <= kCfg.waveSize, "a scale block's vectors fit in one wave");
-
-  // The cast of vector x (live: the lane has one). Every lane of the wave calls it: Fp8Block's
-  // block max is a shuffle.
-  MORI_DEVICE static Vec Cast(const vec16_t& x, bool live) {
-    Vec c;
-    c.scale = 0;
-    float inv = 1.f;
-    if constexpr (kBlock) {
-      const float amax = LanesMax<kLanes>(live ? AbsMaxVec<kElem>(x) : 0.f);
-      inv = 1.0f / BlockScale<kCfg.combineScaleBytes>(amax, c.scale);
-    }
-    CastWords<kElem>(x, inv, c.w);
-    return c;
-  }
-  MORI_DEVICE static uint32_t* Words(const void* row, int v) {
-    return reinterpret_cast<uint32_t*>(const_cast<char*>(static_cast<const char*>(row)) + size_t(v) * kVecBytes);
-  }
-  MORI_DEVICE static uint32_t* Scale(const void* row, int v) {
-    return reinterpret_cast<uint32_t*>(const_cast<char*>(static_cast<const char*>(row)) + kCfg.hiddenDim + (v / kLanes) * 4);
-  }
-  // Whether vector v's lane stores its block's scale word (one per block).
-  MORI_DEVICE static bool ScaleLane(int v) { return kBlock && v % kLanes == 0; }
-  // A pushed vector: plain stores (the flag protocol's release follows), or (low latency) each word
-  // relaxed and system-scope, its own arrival signal.
-  template <bool kLow>
-  MORI_DEVICE static void Store(void* row, int v, const Vec& c) {
-    uint32_t* w = Words(row, v);
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) {
-      if constexpr (kLow) plat::store_word_relaxed(w + i, c.w[i]);
-      else w[i] = c.w[i];
-    }
-    if (ScaleLane(v)) {
-      if constexpr (kLow) plat::store_word_relaxed(Scale(row, v), c.scale);
-      else *Scale(row, v) = c.scale;
-    }
-  }
-  // Vector v of a peer's pushed row: after the range flag's acquire, or (low latency) polled.
-  template <bool kLow>
-  MORI_DEVICE static Vec Load(const void* row, int v) {
-    Vec c;
-    const uint32_t* w = Words(row, v);
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) c.w[i] = kLow ? plat::load_word_relaxed(w + i) : plat::load_peer_u32(w + i);
-    c.scale = !kBlock ? 0u : kLow ? plat::load_word_relaxed(Scale(row, v)) : plat::load_peer_u32(Scale(row, v));
-    return c;
-  }
-  MORI_DEVICE static Vec Fill(uint32_t word) {
-    Vec c;
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) c.w[i] = word;
-    c.scale = word;
-    return c;
-  }
-  MORI_DEVICE static bool Has(const Vec& c, uint32_t word) {
-    bool any = kBlock && c.scale == word;
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) any |= c.w[i] == word;
-    return any;
-  }
-  MORI_DEVICE static void Add(const Vec& c, float (&acc)[4 * kWords]) {
-    AddDecoded<kBlock>(c, ScaleOfWord<kCfg.combineScaleBytes>(c.scale), acc);
-  }
+struct CombWire : WireRow<kCfg.combineQuant != EpCombineQuant::Plain, kCfg.combineQuant == EpCombineQuant::Fp8Block,
+                          EpElemBytes(kCfg), kCfg.hiddenDim, kCfg.combineScaleBytes> {
+  static constexpr int kRowBytes = EpWireBytes(kCfg);
+  static_assert(!CombWire::kBlock || CombWire::kLanes <= kCfg.waveSize, "a scale block's vectors fit in one wave");
 };
 
 }  // namespace mori::ep

@@ -1,6 +1,7 @@
 // What the internode kernel families share: arena addressing, signal rows and bounded waits on
 // them, error reports, completion before a signal, warp copies, and the steps both families take
-// alike (a token's distinct destination ranks, the receive count, a combine row's push, the sums).
+// alike (a token's distinct destination ranks, the receive count, the combine's input rows); the
+// combine rows' push, forward and sum are in ep_net_combine.hpp.
 #pragma once
 #include "common/types.hpp"
 #include "ep/ep_net_generated.hpp"
@@ -249,49 +250,6 @@ MORI_DEVICE int CombineInputRows(const EpNetArgs& a, uint64_t epoch) {
     RecordError(a, kErrShortInput, uint64_t(a.rank) << 16, (uint64_t(total) << 32) | uint32_t(a.inpRows));
   MarkShortRows(a, a.inpRows, total, kCfg.maxTokPerRank, int(epoch), GridWarp<kCfg>(), GridWarps<kCfg>());
   return a.inpRows;
-}
-
-// Warp: row i of the combine input (and its weights, when given) into `row` and `wts` on `peer`, by
-// stores where they reach it, else staged (a put's source is symmetric) and put.
-template <EpNetCfg kCfg>
-MORI_DEVICE void PushCombineRow(const EpNetArgs& a, int i, char* row, float* wts, int peer) {
-  constexpr int kK = kCfg.numExpertPerToken, kTok = NetTokenBytes(kCfg);
-  const int lane = plat::lane_id();
-  const char* inp = static_cast<const char*>(a.inpTok) + size_t(i) * kTok;
-  const float* inp_wts = a.inpWeights != nullptr ? a.inpWeights + size_t(i) * kK : nullptr;
-  if (char* p = Direct<kCfg>(a, row, peer)) {
-    WarpCopy(p, inp, kTok);
-    if (inp_wts && lane < kK) Direct<kCfg>(a, wts, peer)[lane] = inp_wts[lane];
-    return;
-  }
-  char* stage = Local<char>(a, a.off_comb_stage) + size_t(i) * kTok;
-  float* stage_wts = Local<float>(a, a.off_comb_stage_wts) + size_t(i) * kK;
-  WarpCopy(stage, inp, kTok);
-  if (inp_wts && lane < kK) stage_wts[lane] = inp_wts[lane];
-  __syncwarp();
-  transport::put_warp(row, stage, kTok, peer);
-  if (inp_wts) transport::put_warp(wts, stage_wts, kK * 4, peer);
-}
-
-// Warp, token t: out[t] (and its weights, when asked for) = the fp32 sum of the n rows of comb_recv
-// at [src[q], t]: the token's partial sums from its distinct destination ranks or nodes.
-template <EpNetCfg kCfg, typename T>
-MORI_DEVICE void SumCombRows(const EpNetArgs& a, int t, const int* src, int n) {
-  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
-  const int lane = plat::lane_id();
-  const char* comb_recv = Local<char>(a, a.off_comb_recv);
-  const float* comb_recv_wts = Local<float>(a, a.off_comb_recv_wts);
-  for (int v = lane; v < kTok / 16; v += plat::kWaveSize) {
-    VecSum<T> acc;
-    for (int q = 0; q < n; ++q)
-      acc.add(plat::load_peer(reinterpret_cast<const vec16_t*>(comb_recv + (size_t(src[q]) * kM + t) * kTok) + v));
-    reinterpret_cast<vec16_t*>(static_cast<char*>(a.outTok) + size_t(t) * kTok)[v] = acc.pack();
-  }
-  if (a.outWeights != nullptr && lane < kK) {
-    float s = 0.f;
-    for (int q = 0; q < n; ++q) s += plat::load_peer_f32(comb_recv_wts + (size_t(src[q]) * kM + t) * kK + lane);
-    a.outWeights[t * kK + lane] = s;
-  }
 }
 
 }  // namespace mori::epnet

@@ -8,6 +8,7 @@ namespace mori::epnet {
 
 enum class EpDType : int { Bf16 = 0, Fp32 = 1, Fp8 = 2, Fp4x2 = 3 };
 enum class EpPhase : int { Whole = 0, Send = 1, Recv = 2 };
+enum class EpCombineQuant : int { Plain = 0, Fp8Direct = 1, Fp8Block = 2 };
 // Which spin-wait of the internode kernels timed out (the high bits of the error detail word).
 enum NetWaitId : int { kNetWaitPeerCombine = 11, kNetWaitPeerSlots = 12, kNetWaitDispatchDone = 13, kNetWaitCombineDone = 14, kNetWaitRelayFree = 15, kNetWaitForwardDone = 16, kNetWaitCombineForwardDone = 17 };
 // Rows of the `signals` region: one u64 word per writing rank in each row.
@@ -30,12 +31,16 @@ struct EpNetCfg {
   int warpPerBlock = 8;
   int waveSize = 32;
   EpPhase phase = EpPhase::Whole;
+  EpCombineQuant combineQuant = EpCombineQuant::Plain;
+  int combineScaleBytes = 4;
 };
 
 // bytes per payload element
 constexpr int NetElemBytes(const EpNetCfg& c) { return ((c.dtype == EpDType::Fp32) ? 4 : ((c.dtype == EpDType::Bf16) ? 2 : 1)); }
 // bytes per token row
 constexpr int NetTokenBytes(const EpNetCfg& c) { return (c.hiddenDim * NetElemBytes(c)); }
+// bytes of a combine row on the wire (comb_recv's, comb_stage's and comb_relay's row)
+constexpr int NetWireBytes(const EpNetCfg& c) { return ((c.combineQuant == EpCombineQuant::Plain) ? NetTokenBytes(c) : (c.hiddenDim + ((c.combineQuant == EpCombineQuant::Fp8Block) ? (((((c.hiddenDim / 128) * 4) + 15) / 16) * 16) : 0))); }
 // threads per block
 constexpr int NetBlockThreads(const EpNetCfg& c) { return (c.warpPerBlock * c.waveSize); }
 // receive capacity in rows
@@ -45,7 +50,7 @@ constexpr int NetNumExperts(const EpNetCfg& c) { return (c.numExpertPerRank * c.
 // the dtype can be reduced (combine)
 constexpr bool NetSummable(const EpNetCfg& c) { return ((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)); }
 // the internode kernels can be built and are correct for this config
-constexpr bool NetIsValid(const EpNetCfg& c) { return (((((((((((((((((c.worldSize >= 2) && (c.worldSize <= 1024)) && (c.gpuPerNode >= 1)) && (c.gpuPerNode <= 32)) && ((c.worldSize % ((c.gpuPerNode > 1) ? c.gpuPerNode : 1)) == 0)) && (c.hiddenDim >= 1)) && ((NetTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && (c.waveSize == 32)) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (NetBlockThreads(c) <= 1024)); }
+constexpr bool NetIsValid(const EpNetCfg& c) { return ((((((((((((((((((c.worldSize >= 2) && (c.worldSize <= 1024)) && (c.gpuPerNode >= 1)) && (c.gpuPerNode <= 32)) && ((c.worldSize % ((c.gpuPerNode > 1) ? c.gpuPerNode : 1)) == 0)) && (c.hiddenDim >= 1)) && ((NetTokenBytes(c) % 16) == 0)) && (c.maxTokPerRank >= 1)) && (c.numExpertPerRank >= 1)) && (c.numExpertPerToken >= 1)) && (c.numExpertPerToken <= c.waveSize)) && ((c.maxRecv == 0) || (c.maxRecv >= (c.worldSize * c.maxTokPerRank)))) && (c.waveSize == 32)) && (c.blockNum >= 1)) && (c.blockNum < 1048576)) && (c.warpPerBlock >= 1)) && (NetBlockThreads(c) <= 1024)) && ((c.combineQuant == EpCombineQuant::Plain) || ((((c.dtype == EpDType::Bf16) || (c.dtype == EpDType::Fp32)) && ((c.hiddenDim % 16) == 0)) && ((!(c.combineQuant == EpCombineQuant::Fp8Block)) || (((c.hiddenDim % 128) == 0) && ((c.combineScaleBytes == 4) || (c.combineScaleBytes == 1))))))); }
 
 struct EpNetArgs {
   const void* inpTok;  // dispatch: tokens [n, tokenBytes]; combine: expert output [>=recv, H]
@@ -68,9 +73,9 @@ struct EpNetArgs {
   uint64_t off_tok_dest;  // each token's distinct destination ranks [M, k] i32, -1 for none (local: combine reads it)
   uint64_t off_disp_stage;  // token rows staged for puts [M, tokenBytes] (local: a put's source is symmetric)
   uint64_t off_disp_stage_meta;  // weights and ids staged for puts [M, 2k] i32 (local)
-  uint64_t off_comb_recv;  // combine rows by sender [worldSize, M, combTokenBytes] (written by peers)
-  uint64_t off_comb_recv_wts;  // combine weights by sender [worldSize, M, k] f32 (written by peers)
-  uint64_t off_comb_stage;  // combine rows staged for puts [maxRecv, combTokenBytes] (local)
+  uint64_t off_comb_recv;  // combine rows by sender [worldSize, M, wireBytes] (v2 without a wire cast: partial sums by node [nodes, M, combTokenBytes]; written by peers)
+  uint64_t off_comb_recv_wts;  // combine weights by sender [worldSize, M, k] f32 (v2 without a wire cast: by node; written by peers)
+  uint64_t off_comb_stage;  // combine rows staged for puts [maxRecv, wireBytes] (local)
   uint64_t off_comb_stage_wts;  // combine weights staged for puts [maxRecv, k] f32 (local)
   uint64_t off_signals;  // done and free signals [NetSignal rows, worldSize] u64, by writing rank (written by peers)
   uint64_t off_comb_short;  // combine epoch of a sender's short input that dropped rows of this rank's tokens [worldSize] i32 (written by peers)
@@ -80,7 +85,7 @@ struct EpNetArgs {
   uint64_t off_relay_stage_meta;  // v2: metadata staged for puts [M, nodes, 2k+3] i32 (local)
   uint64_t off_relay_out_cnt;  // v2: relay slots claimed per destination node [nodes] i32 (local; reset by the dispatch)
   uint64_t off_recv_relay;  // v2: relay index of each received row [maxRecv] i32 (written by this node's forwarders)
-  uint64_t off_comb_relay;  // v2: combine rows to sum [nodes * M, gpuPerNode, combTokenBytes] (written by this node's ranks)
+  uint64_t off_comb_relay;  // v2: combine rows to sum (fp8 wire: to forward) [nodes * M, gpuPerNode, wireBytes] (written by this node's ranks)
   uint64_t off_comb_relay_wts;  // v2: their weights [nodes * M, gpuPerNode, k] f32 (written by this node's ranks)
   uint64_t off_rank_mask;  // masked ranks [most ranks] i32, 1 = masked: their experts dropped, no send, count or wait for them (local; the op writes it, every call reads it)
   uint64_t off_masked_pairs;  // (token, expert) pairs dropped for a masked rank [3] u32: two by epoch parity (this rank's blocks add), then the last dispatch's (local)

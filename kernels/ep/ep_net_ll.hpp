@@ -13,10 +13,12 @@
 //                      publishes total_recv, resets the counter and signals every rank that its
 //                      slots are free again.
 //   combine, send      one warp per received row pushes the expert output (and weights) into the
-//                      home rank's comb_recv[this rank, token]; each block signals its share.
+//                      home rank's comb_recv[this rank, token] (cast on the way under the fp8 wire,
+//                      ep_net_combine.hpp); each block signals its share.
 //   combine, receive   every block waits for every rank's done unit and sums each token's rows from
-//                      its distinct destination ranks in fp32; a sender whose short input dropped
-//                      rows of this rank's tokens has marked comb_short, and is reported.
+//                      its distinct destination ranks in fp32, in top-k slot order; a sender whose
+//                      short input dropped rows of this rank's tokens has marked comb_short, and is
+//                      reported.
 // A receive phase waits for this rank's own blocks through the same signals as for its peers, so a
 // leg's blocks must be resident together: the grid never exceeds the rank's share of the SMs
 // (backends/hip/common/grid.py), as for the intranode kernels. Epochs are the done counts themselves (kept on the
@@ -30,7 +32,7 @@
 // one and counted (masked_pairs); no phase claims on, writes to, signals or waits for a masked rank
 // (the helpers of ep_net_common.hpp skip it), and the combine sums the live ranks' rows only.
 #pragma once
-#include "ep/ep_net_common.hpp"
+#include "ep/ep_net_combine.hpp"
 
 namespace mori::epnet {
 
@@ -130,7 +132,7 @@ MORI_DEVICE void NetLlDispatch(const EpNetArgs& a) {
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void LlCombineSend(const EpNetArgs& a, const NetEpochs& e) {
-  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kTok = NetTokenBytes(kCfg);
+  constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kRow = NetWireBytes(kCfg);
   const int rows = CombineInputRows<kCfg>(a, e.comb + 1);
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
   char* comb_recv = Local<char>(a, a.off_comb_recv);
@@ -139,26 +141,18 @@ MORI_DEVICE void LlCombineSend(const EpNetArgs& a, const NetEpochs& e) {
     const int src = recv_to_src[i];
     if (Masked(a, src / kM)) continue;  // (a row of a rank masked since the dispatch: no home to sum it)
     const size_t at = size_t(a.rank) * kM + src % kM;  // comb_recv[this rank, token] on the home rank
-    PushCombineRow<kCfg>(a, i, comb_recv + at * kTok, comb_recv_wts + at * kK, src / kM);
+    PushCombineRow<kCfg>(a, i, comb_recv + at * kRow, comb_recv_wts + at * kK, src / kM);
   }
   SignalEveryRank<kCfg>(a, kSigCombDone, BlockShare());
 }
 
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void LlCombineRecv(const EpNetArgs& a, const NetEpochs& e) {
-  constexpr int kK = kCfg.numExpertPerToken;
   WaitEveryRank<kCfg>(a, kSigCombDone, (e.comb + 1) * kDoneUnit, kNetWaitCombineDone);
   ReportShortPeers(a, kCfg.worldSize, int(e.comb + 1));
-  const int lane = plat::lane_id();
-  const int* tok_dest = Local<int>(a, a.off_tok_dest);
   for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
-    const int mine = lane < kK ? tok_dest[t * kK + lane] : -1;
-    int dest[kK];  // the token's distinct destination ranks, the same in every lane
-    int nd = 0;
-    for (int j = 0; j < kK; ++j) {
-      const int pj = plat::shfl(mine, j);
-      if (pj >= 0 && !Masked(a, pj)) dest[nd++] = pj;  // (a rank masked since the dispatch sent nothing)
-    }
+    int dest[kCfg.numExpertPerToken];
+    const int nd = TokenDestRanks<kCfg>(a, t, dest);
     SumCombRows<kCfg, T>(a, t, dest, nd);
   }
 }

@@ -18,13 +18,16 @@
 //   dispatch, receive block 0: waits for every forwarder of its node, publishes total_recv, resets
 //                     its counters and signals every rank that its slots are free.
 //   combine, send     one warp per received row writes the expert output (and weights) into the
-//                     slot of this rank in comb_relay[j] on the forwarder of the row; signals every
-//                     rank (its input is read).
+//                     slot of this rank in comb_relay[j] on the forwarder of the row (cast on the
+//                     way under the fp8 wire); signals every rank (its input is read).
 //   combine, forward  waits for its node; one warp per relay row of this epoch sums the node's rows
 //                     in fp32 and writes the sum into comb_recv[this node, token] on the source
-//                     (a put across nodes); signals its sources.
+//                     (a put across nodes); under the fp8 wire it passes the node's rows on as they
+//                     are instead, into comb_recv[their rank, token] (ep_net_combine.hpp says why);
+//                     signals its sources.
 //   combine, receive  waits for its forwarders on every node and sums each token's partial sums from
-//                     its distinct destination nodes in fp32.
+//                     its distinct destination nodes in fp32 (fp8 wire: its rows from its distinct
+//                     destination ranks, in top-k slot order, as v2_ll's receive).
 // Epochs are the done counts, on the device, and a leg's blocks are resident together (see
 // ep_net_ll.hpp). The split legs (kCfg.phase): the send kernel is the send phase; the receive
 // kernel forwards and then receives, on the whole grid, so a rank's rows cross their second hop
@@ -33,7 +36,7 @@
 // count is every rank's count and an `auto` op may switch family between calls (every rank of one
 // call on the same side of the threshold); the rows of v2 alone count v2's calls.
 #pragma once
-#include "ep/ep_net_common.hpp"
+#include "ep/ep_net_combine.hpp"
 
 namespace mori::epnet {
 
@@ -193,7 +196,7 @@ MORI_DEVICE void NetV2Dispatch(const EpNetArgs& a) {
 template <EpNetCfg kCfg, typename T>
 MORI_DEVICE void V2CombineSend(const EpNetArgs& a, const NetEpochs& e) {
   constexpr int kK = kCfg.numExpertPerToken, kM = kCfg.maxTokPerRank, kG = kCfg.gpuPerNode;
-  constexpr int kTok = NetTokenBytes(kCfg);
+  constexpr int kRow = NetWireBytes(kCfg);
   const int rank = a.rank;
   const int rows = CombineInputRows<kCfg>(a, e.comb + 1);  // (a short input's marks go straight to the home ranks)
   const int* recv_to_src = Local<int>(a, a.off_recv_to_src);
@@ -203,7 +206,7 @@ MORI_DEVICE void V2CombineSend(const EpNetArgs& a, const NetEpochs& e) {
   for (int i = GridWarp<kCfg>(); i < rows; i += GridWarps<kCfg>()) {
     const int fwd = rank / kG * kG + recv_to_src[i] / kM % kG;  // this node's rank of the source's local index
     const size_t at = size_t(recv_relay[i]) * kG + rank % kG;
-    PushCombineRow<kCfg>(a, i, comb_relay + at * kTok, comb_relay_wts + at * kK, fwd);
+    PushCombineRow<kCfg>(a, i, comb_relay + at * kRow, comb_relay_wts + at * kK, fwd);
   }
   SignalEveryRank<kCfg>(a, kSigCombDone, BlockShare());
 }
@@ -229,6 +232,10 @@ MORI_DEVICE void V2CombineForward(const EpNetArgs& a, const NetEpochs& e) {
     if (uint64_t(plat::load_volatile(meta + Meta::kTag)) != epoch) continue;
     const uint32_t mask = uint32_t(meta[Meta::kMask]);
     const int src = meta[Meta::kSrc], home = src / kM;
+    if constexpr (NetWire<kCfg>::kQuant) {
+      ForwardWireRows<kCfg>(a, j, mask, src, weights);
+      continue;
+    }
     const size_t at = size_t(node) * kM + src % kM;  // the partial sum's place on the source
     char* dst = comb_recv + at * kTok;
     char* p = Direct<kCfg>(a, dst, home);
@@ -264,6 +271,12 @@ MORI_DEVICE void V2CombineRecv(const EpNetArgs& a, const NetEpochs& e) {
   const int lane = plat::lane_id();
   const int* tok_dest = Local<int>(a, a.off_tok_dest);
   for (int t = GridWarp<kCfg>(); t < a.numTokens; t += GridWarps<kCfg>()) {
+    if constexpr (NetWire<kCfg>::kQuant) {  // (the forwarders passed every rank's row on)
+      int dest[kK];
+      const int nd = TokenDestRanks<kCfg>(a, t, dest);
+      SumCombRows<kCfg, T>(a, t, dest, nd);
+      continue;
+    }
     const int pe = lane < kK ? tok_dest[t * kK + lane] : -1;
     int nodes[kK];  // the token's distinct destination nodes, the same in every lane
     int nn = 0;

@@ -11,8 +11,8 @@ __all__ = ["HIP_QUANT_TYPES", "HIP_COMBINE_QUANT_TYPES", "gather_unquantized_gap
 
 #: The dispatch casts the ``hip`` kernels do (``EpCfg.quantFp8Block128``).
 HIP_QUANT_TYPES = (None, "none", "fp8_e4m3_block128")
-#: The combine-wire quantizations (mori's ``quant_type``) the ``hip`` kernels do (``EpCfg.combineQuant``:
-#: the intranode kernels; the internode ones move rows as they are).
+#: The combine-wire quantizations (mori's ``quant_type``) the ``hip`` kernels do (``EpCfg.combineQuant``
+#: intranode, ``EpNetCfg.combineQuant`` internode; both families).
 HIP_COMBINE_QUANT_TYPES = ("none", "fp8_direct_cast", "fp8_blockwise")
 
 
@@ -41,9 +41,6 @@ def hip_gaps(cfg: EpDispatchCombineConfig, arch: str | None = None) -> list[str]
         moe = cfg.moe_options_in_use()
         if moe:
             missing.append(f"the MoE-layer options on the internode kernels ({', '.join(moe)}): intranode only")
-        if cfg.quant_type != "none":
-            missing.append(f"quant_type={cfg.quant_type!r} on the internode kernels (their combine moves "
-                           f"{cfg.combine_dtype} rows as they are): intranode only")
     elif cfg.world_size > EP_MAX_PEERS:
         missing.append(f"world_size={cfg.world_size} > {EP_MAX_PEERS} (intranode)")
     return missing

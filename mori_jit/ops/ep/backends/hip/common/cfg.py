@@ -10,10 +10,11 @@ from mori_jit.jit.args import i32, i64, ptr
 from mori_jit.jit.expr import C, where
 from mori_jit.jit.fields import cfg_fields
 
-from mori_jit.ops.ep.backends.hip.common.consts import EpDType, EpPhase
+from mori_jit.ops.ep.backends.hip.common.consts import EpCombineQuant, EpDType, EpPhase
 
 __all__ = ["DISPATCH", "COMBINE", "LAYOUT", "EXPERT_SUM", "ELEM_TYPES", "ELEM_BYTES", "MAX_RECV", "SUMMABLE", "all_of",
-           "rule_problems", "leg_io_args", "SPLIT_PHASES", "phase_suffix", "halves", "MASK_REGIONS", "mask_region_bytes"]
+           "rule_problems", "leg_io_args", "SPLIT_PHASES", "phase_suffix", "halves", "MASK_REGIONS", "mask_region_bytes",
+           "wire_bytes", "COMBINE_QUANT_RULE", "quant_suffix"]
 
 #: The legs of the op, each a kernel.
 DISPATCH, COMBINE = "dispatch", "combine"
@@ -34,6 +35,30 @@ ELEM_BYTES = where(C.dtype.eq(EpDType.Fp32), 4, where(C.dtype.eq(EpDType.Bf16), 
 MAX_RECV = where(C.maxRecv.eq(0), C.worldSize * C.maxTokPerRank, C.maxRecv)
 #: The dtype can be reduced (a combine's): bf16 and fp32.
 SUMMABLE = C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32)
+#: The combine wire's rule (``combineQuant``, ``combineScaleBytes``; numerics: ``quant.py``), the
+#: same for the intranode and the internode kernels.
+COMBINE_QUANT_RULE = (
+    C.combineQuant.eq(EpCombineQuant.Plain)
+    | ((C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32)) & (C.hiddenDim % 16).eq(0)
+       & (~C.combineQuant.eq(EpCombineQuant.Fp8Block)
+          | ((C.hiddenDim % 128).eq(0) & (C.combineScaleBytes.eq(4) | C.combineScaleBytes.eq(1))))),
+    "combineQuant needs dtype Bf16 or Fp32 and hiddenDim a multiple of 16; Fp8Block also hiddenDim a multiple "
+    "of 128 and combineScaleBytes 4 or 1")
+
+
+def wire_bytes(token_bytes):
+    """A combine row on the wire (a config's ``*WireBytes``; ``token_bytes``: its ``*TokenBytes``):
+    the row itself, or its e4m3 bytes and (Fp8Block) one 32-bit scale word per 128-element block,
+    the words padded to whole 16-byte vectors (``kernels/ep/ep_wire_row.hpp``)."""
+    return where(C.combineQuant.eq(EpCombineQuant.Plain), token_bytes,
+                 C.hiddenDim + where(C.combineQuant.eq(EpCombineQuant.Fp8Block), (C.hiddenDim / 128 * 4 + 15) / 16 * 16, 0))
+
+
+def quant_suffix(cfg) -> str:
+    """The entry-name mark of a combine's wire, for both kernel configs: none for the rows as they
+    are, ``_w8`` for the direct cast, ``_w8b<bytes>`` for the blockwise one with scales of that size."""
+    return {EpCombineQuant.Plain: "", EpCombineQuant.Fp8Direct: "_w8",
+            EpCombineQuant.Fp8Block: f"_w8b{cfg.combineScaleBytes}"}[cfg.combineQuant]
 
 #: Rank masking's two arena regions (docs/design.md §6, "Rank masking"), the same in both families'
 #: tables (name → doc; sizes: :func:`mask_region_bytes`). Local: the op writes the mask between

@@ -25,14 +25,14 @@ def ep_dtype(torch_dtype) -> EpDType:
 def kernel_fields(cfg, leg: str) -> dict:
     """The kernel config fields of ``cfg`` that every kernel of leg ``leg`` (``dispatch`` or
     ``combine``) takes alike, under the kernels' names: sizes, counts and the leg's payload dtype
-    (an internode op's kernels also take its node size)."""
+    (an internode op's kernels also take its node size; a combine its wire's cast)."""
     fields = {"worldSize": cfg.world_size, "hiddenDim": cfg.hidden_dim, "maxTokPerRank": cfg.max_num_inp_token_per_rank,
               "numExpertPerRank": cfg.num_experts_per_rank, "numExpertPerToken": cfg.num_experts_per_token,
               "maxRecv": cfg.max_total_recv_tokens,
               "dtype": ep_dtype(cfg.dispatch_dtype if leg == DISPATCH else cfg.combine_dtype)}
     if cfg.is_internode:
         fields["gpuPerNode"] = cfg.gpu_per_node
-    elif leg != DISPATCH and cfg.quant_type != "none":  # (the intranode combine's wire cast)
+    if leg != DISPATCH and cfg.quant_type != "none":  # (the combine's wire cast: both kernel configs)
         fields["combineQuant"] = EpCombineQuant.coerce(cfg.quant_type)
         fields["combineScaleBytes"] = cfg.combine_scale_type_size
     return fields

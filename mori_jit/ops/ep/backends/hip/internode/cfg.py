@@ -24,14 +24,15 @@ from mori_jit.jit.expr import C, Derived, max_
 from mori_jit.jit.fields import CConst, ConfigError, apply_request
 from mori_jit.jit.toolchain import vendor_of, wave_size_for_arch
 
-from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_BYTES, MASK_REGIONS, MAX_RECV, SUMMABLE, all_of, leg_io_args, mask_region_bytes, rule_problems
+from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE_QUANT_RULE, ELEM_BYTES, MASK_REGIONS, MAX_RECV, SUMMABLE, all_of, leg_io_args, mask_region_bytes, rule_problems, wire_bytes
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH
-from mori_jit.ops.ep.backends.hip.common.consts import EpDType, EpPhase, ErrCode, FlagUnit
+from mori_jit.ops.ep.backends.hip.common.consts import EpCombineQuant, EpDType, EpPhase, ErrCode, FlagUnit
 
 __all__ = ["EpNetCfg", "NetWaitId", "NetSignal", "EP_NET_ARGS", "EP_NET_REGIONS", "EP_NET_MAX_RANKS", "LEGS",
            "TRANSPORTS", "make_net_cfg", "net_region_bytes", "net_cfg_problems",
-           "NetTokenBytes", "NetBlockThreads", "NetMaxRecv", "NetNumExperts", "NetIsValid"]
+           "NetTokenBytes", "NetWireBytes", "NetBlockThreads", "NetMaxRecv", "NetNumExperts", "NetIsValid",
+           "EpCombineQuant"]
 
 #: Most ranks an internode op spans (the signal rows are one word per rank).
 EP_NET_MAX_RANKS = 1024
@@ -81,6 +82,15 @@ class EpNetCfg:
     waveSize: int = 32
     # the whole leg, or its send or its receive kernel (the split legs; a v2 receive also forwards)
     phase: EpPhase = EpPhase.Whole
+    # combine: the wire's cast (the op's quant_type, EpCombineQuant): the rank holding a row casts it
+    # to e4m3 (with its block scales) as it sends it, and the home rank sums the decoded values in
+    # top-k slot order, as quant.py does, bit for bit. v2's forwarders pass the rows on as they are
+    # (no partial sum: it would round the node's terms into one and change the result). Plain moves
+    # the rows as they are.
+    combineQuant: EpCombineQuant = EpCombineQuant.Plain
+    # combine, Fp8Block: the scale rule's bytes, 4 (float32) or 1 (UE8M0: a power of two); either
+    # travels as one 32-bit word per block
+    combineScaleBytes: int = 4
 
     def __post_init__(self):
         if not NetIsValid(self):
@@ -89,6 +99,8 @@ class EpNetCfg:
 
 NetElemBytes = Derived("NetElemBytes", "EpNetCfg", ELEM_BYTES, doc="bytes per payload element")
 NetTokenBytes = Derived("NetTokenBytes", "EpNetCfg", C.hiddenDim * NetElemBytes, doc="bytes per token row")
+NetWireBytes = Derived("NetWireBytes", "EpNetCfg", wire_bytes(NetTokenBytes),
+                       doc="bytes of a combine row on the wire (comb_recv's, comb_stage's and comb_relay's row)")
 NetBlockThreads = Derived("NetBlockThreads", "EpNetCfg", C.warpPerBlock * C.waveSize, doc="threads per block")
 NetMaxRecv = Derived("NetMaxRecv", "EpNetCfg", MAX_RECV, doc="receive capacity in rows")
 NetNumExperts = Derived("NetNumExperts", "EpNetCfg", C.numExpertPerRank * C.worldSize, doc="experts in total")
@@ -113,6 +125,7 @@ _RULES: list[tuple[Any, str]] = [
     (C.blockNum < int(FlagUnit.kDoneUnit), f"blockNum must be < {int(FlagUnit.kDoneUnit)} (a done count's unit)"),
     (C.warpPerBlock >= 1, "warpPerBlock must be >= 1"),
     (NetBlockThreads <= 1024, "warpPerBlock*waveSize must be <= 1024"),
+    COMBINE_QUANT_RULE,
 ]
 
 
@@ -136,9 +149,11 @@ EP_NET_REGIONS: dict[str, str] = {
     "tok_dest": "each token's distinct destination ranks [M, k] i32, -1 for none (local: combine reads it)",
     "disp_stage": "token rows staged for puts [M, tokenBytes] (local: a put's source is symmetric)",
     "disp_stage_meta": "weights and ids staged for puts [M, 2k] i32 (local)",
-    "comb_recv": "combine rows by sender [worldSize, M, combTokenBytes] (written by peers)",
-    "comb_recv_wts": "combine weights by sender [worldSize, M, k] f32 (written by peers)",
-    "comb_stage": "combine rows staged for puts [maxRecv, combTokenBytes] (local)",
+    "comb_recv": "combine rows by sender [worldSize, M, wireBytes] (v2 without a wire cast: partial sums by node "
+                 "[nodes, M, combTokenBytes]; written by peers)",
+    "comb_recv_wts": "combine weights by sender [worldSize, M, k] f32 (v2 without a wire cast: by node; written "
+                     "by peers)",
+    "comb_stage": "combine rows staged for puts [maxRecv, wireBytes] (local)",
     "comb_stage_wts": "combine weights staged for puts [maxRecv, k] f32 (local)",
     "signals": "done and free signals [NetSignal rows, worldSize] u64, by writing rank (written by peers)",
     "comb_short": "combine epoch of a sender's short input that dropped rows of this rank's tokens [worldSize] i32 "
@@ -150,7 +165,8 @@ EP_NET_REGIONS: dict[str, str] = {
     "relay_stage_meta": "v2: metadata staged for puts [M, nodes, 2k+3] i32 (local)",
     "relay_out_cnt": "v2: relay slots claimed per destination node [nodes] i32 (local; reset by the dispatch)",
     "recv_relay": "v2: relay index of each received row [maxRecv] i32 (written by this node's forwarders)",
-    "comb_relay": "v2: combine rows to sum [nodes * M, gpuPerNode, combTokenBytes] (written by this node's ranks)",
+    "comb_relay": "v2: combine rows to sum (fp8 wire: to forward) [nodes * M, gpuPerNode, wireBytes] (written by "
+                  "this node's ranks)",
     "comb_relay_wts": "v2: their weights [nodes * M, gpuPerNode, k] f32 (written by this node's ranks)",
     **MASK_REGIONS,  # (v2_ll reads them; an op that builds v2 refuses masking: docs/design.md §6)
 }
@@ -162,9 +178,9 @@ EP_NET_ARGS = ArgsSchema("EpNetArgs", [
 ])
 
 register_header(GeneratedHeader(
-    "ep/ep_net_generated.hpp", "mori::epnet", enums=[EpDType, EpPhase], consts=[NetWaitId, NetSignal, ErrCode, FlagUnit],
-    cfgs=[EpNetCfg],
-    derived=[NetElemBytes, NetTokenBytes, NetBlockThreads, NetMaxRecv, NetNumExperts, NetSummable, NetIsValid],
+    "ep/ep_net_generated.hpp", "mori::epnet", enums=[EpDType, EpPhase, EpCombineQuant],
+    consts=[NetWaitId, NetSignal, ErrCode, FlagUnit], cfgs=[EpNetCfg],
+    derived=[NetElemBytes, NetTokenBytes, NetWireBytes, NetBlockThreads, NetMaxRecv, NetNumExperts, NetSummable, NetIsValid],
     args=[EP_NET_ARGS]))
 
 
@@ -172,7 +188,7 @@ def net_region_bytes(disp: EpNetCfg, comb: EpNetCfg, families=("v2_ll",)) -> dic
     """Bytes of each region for a dispatch of ``disp`` and a combine of ``comb`` (one
     shape) of an op that builds ``families`` (the ``v2`` regions are empty without ``v2``)."""
     recv, k, m, ws = NetMaxRecv(disp), disp.numExpertPerToken, disp.maxTokPerRank, disp.worldSize
-    tok, ctok = NetTokenBytes(disp), NetTokenBytes(comb)
+    tok, ctok = NetTokenBytes(disp), NetWireBytes(comb)
     nodes, v2 = ws // disp.gpuPerNode, int("v2" in families)
     meta = (2 * k + 3) * 4
     return {

@@ -16,7 +16,7 @@ from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain, ToolchainError
 
 from mori_jit.ops.ep.backends.hip.internode.cfg import EP_NET_ARGS, TRANSPORTS, EpNetCfg, EpPhase, NetBlockThreads, make_net_cfg
-from mori_jit.ops.ep.backends.hip.common.cfg import DISPATCH, ELEM_TYPES, phase_suffix
+from mori_jit.ops.ep.backends.hip.common.cfg import DISPATCH, ELEM_TYPES, phase_suffix, quant_suffix
 
 __all__ = ["EpNetSpec", "NET_SPECS", "FAMILY_BODIES", "TRANSPORTS", "net_spec"]
 
@@ -66,9 +66,10 @@ class EpNetSpec(Spec):
         return make_net_cfg(self.leg, toolchain.arch, request or {})
 
     def entry_name(self, cfg: EpNetCfg) -> str:
+        # (_w8, _w8b<bytes>: the combine's fp8 wire, as the intranode names; _send/_recv: a split half)
         return (f"mori_ep{_SHORT[self.family]}_{self.leg}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}"
                 f"_g{cfg.gpuPerNode}_h{cfg.hiddenDim}_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}"
-                f"{phase_suffix(cfg.phase)}")
+                f"{quant_suffix(cfg)}{phase_suffix(cfg.phase)}")
 
     def geometry(self, cfg: EpNetCfg) -> Geometry:
         one = self.leg == DISPATCH and cfg.phase == EpPhase.Recv and self.family in _ONE_BLOCK_DISPATCH_RECV

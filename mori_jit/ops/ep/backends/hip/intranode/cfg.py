@@ -15,7 +15,7 @@ from mori_jit.jit.fields import ConfigError, apply_request, cfg_fields
 from mori_jit.jit.toolchain import has_bulk_copy, wave_size_for_arch
 
 from mori_jit.ops.ep import knobs
-from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, DISPATCH, EXPERT_SUM, LAYOUT, ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, mask_region_bytes, rule_problems
+from mori_jit.ops.ep.backends.hip.common.cfg import COMBINE, COMBINE_QUANT_RULE, DISPATCH, EXPERT_SUM, LAYOUT, ELEM_BYTES, MAX_RECV, SUMMABLE, all_of, mask_region_bytes, rule_problems, wire_bytes
 from mori_jit.ops.ep.contract import ROW_ALIGN
 from mori_jit.ops.ep.backends.hip.intranode.args import EP_ARGS, EP_MAX_PEERS, EP_REGIONS
 from mori_jit.ops.ep.backends.hip.common.consts import EP_STAMP_WORDS, EP_SYNC_WORDS, SYNC_PAIRS, CombWord, EpCombineQuant, EpDType, EpPhase, ErrCode, FlagUnit, Stamp, SyncWord, WaitId, XdbRow
@@ -116,12 +116,7 @@ EpBulkStages = Derived("EpBulkStages", "EpCfg", where(C.bulkMinTokens > 0, 4, 0)
                        doc="rows in flight per dispatch block through the bulk-copy unit (0: none)")
 EpBulkSmemBytes = Derived("EpBulkSmemBytes", "EpCfg", EpBulkStages * EpTokenBytes,
                           doc="dynamic shared memory of a dispatch block: its bulk-copy stages")
-# A pushed combine row: the row itself, or its e4m3 bytes and (Fp8Block) one scale word per block,
-# the words padded to whole 16-byte vectors.
-EpWireBytes = Derived("EpWireBytes", "EpCfg",
-                      where(C.combineQuant.eq(EpCombineQuant.Plain), EpTokenBytes,
-                            C.hiddenDim + where(C.combineQuant.eq(EpCombineQuant.Fp8Block),
-                                                (C.hiddenDim / 128 * 4 + 15) / 16 * 16, 0)),
+EpWireBytes = Derived("EpWireBytes", "EpCfg", wire_bytes(EpTokenBytes),
                       doc="bytes of a combine row on the wire (comb_recv's row)")
 EpSummable = Derived("EpSummable", "EpCfg", SUMMABLE, ctype="bool",
                      doc="the dtype can be reduced (combine leg)")
@@ -154,12 +149,7 @@ _RULES: list[tuple[Any, str]] = [
                              & (C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(1)) & C.bulkMinTokens.eq(0)),
      "quantFp8Block128 needs dtype Fp8, hiddenDim a multiple of 128, scaleDim = hiddenDim / 128, scaleTypeSize 4 "
      "or 1, and bulkMinTokens 0 (the rows are cast in registers)"),
-    (C.combineQuant.eq(EpCombineQuant.Plain)
-     | ((C.dtype.eq(EpDType.Bf16) | C.dtype.eq(EpDType.Fp32)) & (C.hiddenDim % 16).eq(0)
-        & (~C.combineQuant.eq(EpCombineQuant.Fp8Block)
-           | ((C.hiddenDim % 128).eq(0) & (C.combineScaleBytes.eq(4) | C.combineScaleBytes.eq(1))))),
-     "combineQuant needs dtype Bf16 or Fp32 and hiddenDim a multiple of 16; Fp8Block also hiddenDim a multiple "
-     "of 128 and combineScaleBytes 4 or 1"),
+    COMBINE_QUANT_RULE,
     (C.expertCapacity.eq(0) | ((C.expertCapacity >= 1) & C.expertCounts),
      "expertCapacity must be 0 (no expert-major layout) or >= 1 with expertCounts"),
     (~C.expertCounts | (EpNumExperts <= EP_MAX_COUNTED_EXPERTS),

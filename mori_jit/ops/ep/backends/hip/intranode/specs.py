@@ -5,8 +5,8 @@ from mori_jit.jit.registry import register
 from mori_jit.jit.spec import Geometry, Spec
 from mori_jit.jit.toolchain import Toolchain
 
-from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_TYPES, phase_suffix
-from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EXPERT_SUM, LAYOUT, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpCombineQuant, EpDType, EpPhase, make_ep_cfg
+from mori_jit.ops.ep.backends.hip.common.cfg import ELEM_TYPES, phase_suffix, quant_suffix
+from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EXPERT_SUM, LAYOUT, EpBlockThreads, EpBulkSmemBytes, EpCfg, EpDType, EpPhase, make_ep_cfg
 
 __all__ = ["EpSpec", "EP_DISPATCH", "EP_COMBINE", "EP_LAYOUT", "EP_EXPERT_SUM"]
 
@@ -41,14 +41,12 @@ class EpSpec(Spec):
         # _cnt: local expert counts; _rr: routing replay; _q128: in-kernel fp8 block cast;
         # _c<capacity>: the expert-major layout; _send/_recv: one half of the split legs; _w8: the
         # combine's fp8 wire, direct cast; _w8b<bytes>: blockwise, with scales of that many bytes)
-        quant = {EpCombineQuant.Plain: "", EpCombineQuant.Fp8Direct: "_w8",
-                 EpCombineQuant.Fp8Block: f"_w8b{cfg.combineScaleBytes}"}[cfg.combineQuant]
         return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
                 f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatency else ''}"
                 f"{'_bulk' if cfg.bulkMinTokens else ''}{'_i64' if cfg.ids64 else ''}"
                 f"{f'_s{cfg.scaleDim}x{cfg.scaleTypeSize}' if cfg.scaleDim else ''}{'_cnt' if cfg.expertCounts else ''}"
                 f"{'_rr' if cfg.routingReplay else ''}{'_q128' if cfg.quantFp8Block128 else ''}"
-                f"{f'_c{cfg.expertCapacity}' if cfg.expertCapacity else ''}{quant}{phase_suffix(cfg.phase)}")
+                f"{f'_c{cfg.expertCapacity}' if cfg.expertCapacity else ''}{quant_suffix(cfg)}{phase_suffix(cfg.phase)}")
 
     def precompile_cfgs(self, toolchain: Toolchain) -> list[EpCfg]:
         # a layout or an expert sum exists only for an op's config (mori-jit precompile --ep builds those)
