@@ -112,3 +112,23 @@ def test_the_op_module_names_train_by_path_only():
     for module in (op, legs):
         with pytest.raises(AttributeError):
             getattr(module, "train")
+
+
+@pytest.mark.parametrize("rows", [5, 8, 11], ids=["shorter", "cap", "longer"])
+def test_source_ids_are_fresh_int32_and_minus_one_past_total(rows):
+    """A dispatch's source ids (``TrainDispatch.src``) from a routing whose ``recv_src`` is the
+    received rows only (the torch backend), the whole receive side, or longer (a view of an arena)."""
+    from types import SimpleNamespace
+
+    from mori_jit.ops.ep.train.legs import _masked, _src_of, row_mask
+
+    cap, total = 8, torch.tensor([5], dtype=torch.int32)
+    recv_src = torch.arange(100, 100 + rows, dtype=torch.int32)
+    keep = row_mask(total, cap)
+    src = _src_of(SimpleNamespace(recv_src=recv_src), keep)
+    assert src.dtype == torch.int32 and src.tolist() == [100, 101, 102, 103, 104, -1, -1, -1]
+    assert src.data_ptr() != recv_src.data_ptr()
+    rows_in = torch.full((cap, 3), 7.0, dtype=torch.bfloat16)
+    assert _masked(rows_in, keep, 0).float().sum(1).tolist() == [21.0] * 5 + [0.0] * 3
+    fp8 = torch.full((cap, 2), 1.5).to(torch.float8_e4m3fn)
+    assert _masked(fp8, keep, 0).float().tolist() == [[1.5, 1.5]] * 5 + [[0.0, 0.0]] * 3

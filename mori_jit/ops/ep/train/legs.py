@@ -41,7 +41,7 @@ __all__ = ["forward_dispatch", "forward_combine", "forward_combine_expert_major"
 
 def row_mask(total_recv: torch.Tensor, rows: int) -> torch.Tensor:
     """bool ``[rows]``: row i is below ``total_recv`` (device tensors only: no host sync)."""
-    return torch.arange(rows, device=total_recv.device) < total_recv.to(torch.int64)
+    return torch.arange(rows, device=total_recv.device) < total_recv
 
 
 def take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -63,25 +63,26 @@ def order_map(src_from: torch.Tensor, src_to: torch.Tensor, space: int) -> torch
     table = torch.full((space + 1,), a, dtype=torch.int64, device=src_from.device)
     table.scatter_(0, torch.where(src_from >= 0, src_from.long(), spare), torch.arange(a, device=src_from.device))
     found = table.index_select(0, torch.where(src_to >= 0, src_to.long(), spare))
-    return torch.where(src_to >= 0, found, torch.full((), a, dtype=torch.int64, device=found.device))
+    return torch.where(src_to >= 0, found, a)
 
 
 def _masked(t: torch.Tensor, keep: torch.Tensor, fill) -> torch.Tensor:
-    """A fresh ``t`` with the rows outside ``keep`` set to ``fill`` (byte-wise for 1-byte dtypes)."""
+    """A fresh ``t`` with the rows outside ``keep`` set to ``fill`` (byte-wise for 1-byte dtypes).
+    One kernel: the fill is a scalar operand, not a tensor made for it."""
     if t.dtype.itemsize == 1:  # (fp8 and UE8M0 scales: compared and filled as bytes)
-        b = t.view(torch.uint8)
-        return torch.where(keep.unsqueeze(1), b, torch.zeros((), dtype=torch.uint8, device=b.device)).view(t.dtype)
-    return torch.where(keep.unsqueeze(1), t, torch.full((), fill, dtype=t.dtype, device=t.device))
+        return torch.where(keep.unsqueeze(1), t.view(torch.uint8), 0).view(t.dtype)
+    return torch.where(keep.unsqueeze(1), t, fill)
 
 
-def _src_of(routing, total_recv: torch.Tensor, cap: int) -> torch.Tensor:
+def _src_of(routing, keep: torch.Tensor) -> torch.Tensor:
     """A fresh int32 ``[cap]`` copy of a routing's source ids (every backend's routing has ``recv_src``,
-    valid below ``total_recv``), ``-1`` beyond."""
-    src = routing.recv_src
-    full = torch.full((cap,), -1, dtype=torch.int32, device=total_recv.device)
-    m = min(src.shape[0], cap)
-    full[:m] = src[:m]
-    return torch.where(row_mask(total_recv, cap), full, -1)
+    valid below ``total_recv``), ``-1`` beyond; ``keep``: :func:`row_mask` of the dispatch (``[cap]``)."""
+    src, cap = routing.recv_src, keep.shape[0]
+    if src.shape[0] >= cap:  # (a view of the whole receive side: one kernel)
+        return torch.where(keep, src[:cap].to(torch.int32), -1)
+    full = torch.full((cap,), -1, dtype=torch.int32, device=keep.device)
+    full[:src.shape[0]] = src
+    return torch.where(keep, full, -1)
 
 
 def carries_gradients(op) -> bool:
@@ -118,7 +119,8 @@ def _reroute(entry: Entry, token: torch.Tensor, ids: torch.Tensor, x: torch.Tens
     ``token``'s placement. Returns ``(placement, result)``."""
     ex = exchange_op(entry)
     res = ex.dispatch(x, weights, None, ids, return_result=True)
-    p = Placement(token, ex, res.routing, _src_of(res.routing, res.total_recv, ex.cfg.recv_capacity), False)
+    keep = row_mask(res.total_recv, ex.cfg.recv_capacity)
+    p = Placement(token, ex, res.routing, _src_of(res.routing, keep), False)
     entry.reroute = p
     return p, res
 
@@ -146,7 +148,7 @@ def forward_dispatch(entry: Entry, x, weights, scales, ids) -> tuple:
         out_s = (_masked(res.out_scales, keep, 0) if scales is not None
                  else torch.empty((cap, 0), dtype=torch.float32, device=dev))
         out_idx = _masked(res.out_indices, keep, -1)
-        src = _src_of(res.routing, res.total_recv, cap)
+        src = _src_of(res.routing, keep)
         if res.expert_counts is not None:
             counts = res.expert_counts.clone()
         else:
