@@ -42,9 +42,10 @@ NET_SYNC_REGIONS = ("recv_cnt", "total_recv", "signals", "comb_short", "sync", "
 
 
 def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVariants, toolchain,
-                      device: torch.device, rank_mask: Callable) -> KernelSet:
+                      device: torch.device, op_mask: Callable) -> KernelSet:
     """Compile and load both legs of every bucket of ``var`` and return the op's KernelSet;
-    ``rank_mask()`` is the op's ``core.mask.RankMask`` (made after this returns)."""
+    ``op_mask()`` is the op's ``core.mask.RankMask`` (made after this returns; the KernelSet's
+    ``rank_mask`` is the device tensor it writes)."""
     requests = var.requests()
     build_many(requests, toolchain)  # misses compile in parallel; loading stays on this thread
     plans = {(spec.name, c): prepare(spec, c, toolchain, device) for spec, c in requests}
@@ -103,7 +104,7 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
     def check():
         if err_words[0]:
             peer = waited_for(err_words[1]) if err_words[0] == ErrCode.kErrTimeout else None
-            rank_mask().saw_timeout(peer)  # (MORI_EP_MASK_ON_TIMEOUT; core/mask.py)
+            op_mask().saw_timeout(peer)  # (MORI_EP_MASK_ON_TIMEOUT; core/mask.py)
             raise EpDeviceError(decode_net_error(list(err_words)) + "; call op.reset() (collective)", peer=peer)
 
     def clear():
@@ -119,7 +120,7 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
     masking = {} if refusal else mask_views(arena, cfg.world_size)
     return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
                      capabilities=frozenset({"graph", "zero_copy_combine", "internode"}),
-                     check=check, reset=lambda: collective_reset(device, rank_mask().collective()[0], clear),
+                     check=check, reset=lambda: collective_reset(device, op_mask().collective()[0], clear),
                      combine_input_buffer=inp_buffer.get, close=close,
                      bound_launches={DISPATCH: tuple(disp_launches), COMBINE: tuple(comb_launches)},
                      dispatch_send=dispatch_send if var.split else None,
