@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp, EpDeviceError, EpPeerError, EpStateError
 from mori_jit.ops.ep.core.survivors import survivors_group
+from mori_jit.ops.ep.memory.arena import keep_until_exit
 from mori_jit.testing.golden import golden_check, live_of, make_inputs, masked_pairs
 from mori_jit.testing.golden_moe import golden_check_experts
 
@@ -204,4 +205,8 @@ def graph_after_mask_job(rank: int, ws: int, device, gone: int, layout=None) -> 
         del graph
         op.close()
     else:
-        _wait_for("graph_done", ws - 1)  # (its op is let go of with the process)
+        _wait_for("graph_done", ws - 1)
+        # A lost rank takes no part in its peers' collectives: its op (never closed) stays referenced
+        # until the process exits, as a dead rank's would. Collected here, its NVSHMEM arena's free,
+        # which is collective, would wait for the survivors forever.
+        keep_until_exit(op)

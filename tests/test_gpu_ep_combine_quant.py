@@ -41,7 +41,9 @@ def _experts(res, rank, dtype):
     receive row: the hip backend's arrival order varies): each rank's float32 terms differ, so a sum
     in another order than the kernels' would round differently."""
     out = res.out
-    src = res.routing.recv_src[:out.shape[0]].to(device=out.device, dtype=torch.float32)
+    ids = res.routing.recv_src[:out.shape[0]]  # (the torch backend keeps only the received rows' ids)
+    src = torch.zeros(out.shape[0], device=out.device)
+    src[:ids.shape[0]] = ids.to(device=out.device, dtype=torch.float32)
     src = torch.where(torch.arange(out.shape[0], device=out.device) < res.total_recv.to(out.device).long(), src, 0.0)
     return (out.float() * (1.0 + 0.37 * rank) + torch.sin(src[:, None] * 0.731 + rank)).to(dtype)
 

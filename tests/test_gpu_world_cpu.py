@@ -54,3 +54,36 @@ def test_a_busy_device_is_retried_and_any_other_error_raised(monkeypatch):
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         distributed.set_device_when_free(5)
     assert calls == [5]
+
+
+def test_a_daemon_left_by_a_killed_run_is_joined_through_its_pipe_folder(monkeypatch, tmp_path):
+    """A control daemon this process did not start (a killed run's, with its own pipe folder) is
+    found by its pipe folder and the ranks are pointed there; without it they would share the GPU
+    without MPS."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from mori_jit.testing import gpu_world
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    # a stand-in process whose name and command line are the control daemon's, with a private pipe folder
+    fake = tmp_path / gpu_world._MPS_CONTROL
+    shutil.copy("/bin/sleep", fake)
+    pipe = str(tmp_path / "pipe")
+    proc = subprocess.Popen([str(fake), "30"], env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe})
+    try:
+        for _ in range(100):
+            if gpu_world._running_daemon_pipe() == pipe:
+                break
+            time.sleep(0.02)
+        monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+        assert gpu_world._daemon_running()
+        gpu_world._join_running_daemon()
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+    finally:
+        proc.kill()
+        proc.wait()

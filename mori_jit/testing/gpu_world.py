@@ -54,17 +54,40 @@ def placement(world_size: int, gpus: Optional[int] = None) -> Placement:
     return Placement(world_size, used, per, "nccl" if per == 1 else "gloo")
 
 
-def _daemon_running() -> bool:
-    """Whether an MPS control daemon runs (the one this process started, or another one)."""
+_DEFAULT_PIPE = "/tmp/nvidia-mps"  # (MPS's pipe folder when CUDA_MPS_PIPE_DIRECTORY is unset)
+
+
+def _running_daemon_pipe() -> Optional[str]:
+    """The pipe folder of a running MPS control daemon (the one this process started, or another
+    one), "" when one runs whose environment cannot be read, None when none runs."""
     if _MPS.dirs:
-        return True
+        return _MPS.dirs[0]
     for comm in Path("/proc").glob("[0-9]*/comm"):
         try:  # (a process name is cut to 15 characters: "nvidia-cuda-mps")
-            if comm.read_text().strip() == _MPS_CONTROL[:15] and "control" in (comm.parent / "cmdline").read_text():
-                return True
+            if comm.read_text().strip() != _MPS_CONTROL[:15] or "control" not in (comm.parent / "cmdline").read_text():
+                continue
         except OSError:
             continue
-    return False
+        try:
+            env = dict(v.split("=", 1) for v in (comm.parent / "environ").read_text().split("\0") if "=" in v)
+        except OSError:
+            return ""
+        return env.get("CUDA_MPS_PIPE_DIRECTORY", _DEFAULT_PIPE)
+    return None
+
+
+def _daemon_running() -> bool:
+    """Whether an MPS control daemon runs (the one this process started, or another one)."""
+    return _running_daemon_pipe() is not None
+
+
+def _join_running_daemon() -> None:
+    """Point the ranks, spawned later, at the running daemon's pipe folder: a daemon left by a run
+    that was killed (its private folder unknown to this process) would otherwise serve no rank, and
+    the ranks would share the GPU without MPS (NVSHMEM then refuses its team calls as "limited MPG")."""
+    pipe = _running_daemon_pipe()
+    if pipe and os.environ.get("CUDA_MPS_PIPE_DIRECTORY", _DEFAULT_PIPE) != pipe:
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = pipe
 
 
 def mps_unavailable() -> Optional[str]:
@@ -145,6 +168,6 @@ def run_ep_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
         why = mps_unavailable()
         if why:
             pytest.skip(f"{world_size} ranks on {where.gpus} GPU(s) need CUDA MPS: {why}")
-        if torch.version.hip is None and not _daemon_running():
-            _MPS.start()
+        if torch.version.hip is None:
+            _join_running_daemon() if _daemon_running() else _MPS.start()
     run_distributed(fn, world_size, *args, timeout=timeout, backend=where.backend, gpus=where.gpus)
