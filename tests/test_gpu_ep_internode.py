@@ -252,6 +252,5 @@ def _split_family_job(rank, ws, gpn, family):
 
 
 @pytest.mark.parametrize("family, ws, gpn", SPLIT_CASES, ids=[f"{f}-ws{ws}-gpn{g}" for f, ws, g in SPLIT_CASES])
-def test_internode_split_legs_golden_misuse_graph_send_alone(family, ws, gpn, monkeypatch):
-    monkeypatch.setenv("MORI_EP_NET_SPLIT", "1")  # (the gate this test decides; the ranks inherit it)
+def test_internode_split_legs_golden_misuse_graph_send_alone(family, ws, gpn):
     run_shmem_job(_split_family_job, ws, gpn, family, timeout=1200)

@@ -26,7 +26,7 @@ def test_the_ep_ops_settings_live_in_its_package():
     assert ep_knobs.ep in knobs.all_groups()
     assert {s.var for s in ep_knobs.ep.settings()} == {"MORI_EP_KERNEL_BACKEND", "MORI_EP_TIMEOUT_S", "MORI_EP_CFG_",
                                                       "MORI_EP_TEST_WORLD_SIZES", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-                                                      "MORI_EP_MASK_ON_TIMEOUT", "MORI_EP_NET_SPLIT"}
+                                                      "MORI_EP_MASK_ON_TIMEOUT"}
     assert not any(s.var.startswith(("MORI_V2_", "MORI_EP_")) for g in (knobs.compiler, knobs.source, knobs.cache,
                                                                        knobs.log) for s in g.settings())
 

@@ -86,8 +86,8 @@ def _join_running_daemon() -> None:
     that was killed (its private folder unknown to this process) would otherwise serve no rank, and
     the ranks would share the GPU without MPS (NVSHMEM then refuses its team calls as "limited MPG")."""
     pipe = _running_daemon_pipe()
-    if pipe and os.environ.get("CUDA_MPS_PIPE_DIRECTORY", _DEFAULT_PIPE) != pipe:
-        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = pipe
+    if pipe:
+        os.environ.update({"CUDA_MPS_PIPE_DIRECTORY": pipe})
 
 
 def mps_unavailable() -> Optional[str]:

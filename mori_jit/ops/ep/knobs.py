@@ -31,10 +31,6 @@ class EpKnobs(Group):
     mask_on_timeout = BoolSetting("MORI_EP_MASK_ON_TIMEOUT", False,
                                   "mask the peer a timed-out kernel wait names (op.mask_rank), so that the next "
                                   "op.reset() runs among the survivors (docs/design.md §6, \"Rank masking\")")
-    net_split = BoolSetting("MORI_EP_NET_SPLIT", False,
-                            "let the hip backend serve split_send_recv=True on the internode kernels (their send "
-                            "and receive halves build, but their GPU test has not passed: with several ranks on "
-                            "one GPU, NVSHMEM stops it; the intranode kernels and the torch backend serve the split)")
     test_world_sizes = IntListSetting("MORI_EP_TEST_WORLD_SIZES", (1, 2, 4, 8),
                                       "the world sizes the EP GPU tests run at (several ranks per GPU where the "
                                       "machine has fewer GPUs)")

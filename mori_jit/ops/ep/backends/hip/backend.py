@@ -18,7 +18,6 @@ from mori_jit.jit.toolchain import get_toolchain
 
 from mori_jit.ops.ep.memory.arena import SymmArena
 from mori_jit.ops.ep.backends.hip.intranode.cfg import COMBINE, DISPATCH, EP_ARGS, EP_REGIONS, LAYOUT, CombWord, EpMaxRecv, EpPhase, ErrCode
-from mori_jit.ops.ep import knobs
 from mori_jit.ops.ep.config import EpDispatchCombineConfig
 from mori_jit.ops.ep.backends.hip.intranode.errors import WAIT_MESSAGES, decode_error
 from mori_jit.ops.ep.backends.hip.common.wait_errors import waited_for
@@ -49,10 +48,6 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
     def _unsupported(self, cfg: EpDispatchCombineConfig) -> list[str]:
         missing = hip_gaps(cfg)  # (shared with mori-jit precompile --ep)
-        if cfg.is_internode and cfg.split_send_recv and not knobs.ep.net_split:
-            missing.append("split_send_recv=True on the internode kernels: their send and receive kernels build "
-                           "but have not passed the GPU suite (set MORI_EP_NET_SPLIT=1 to use them anyway; the "
-                           "intranode kernels and kernel_backend='torch' serve the split)")
         if not torch.cuda.is_available():
             missing.append("a CUDA/ROCm device (none visible; kernel_backend='torch' runs the same op on "
                            "torch.distributed collectives, on the CPU too)")
