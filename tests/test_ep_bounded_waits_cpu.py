@@ -5,7 +5,8 @@ the process group's timeout (the ``torch`` backend on gloo; core/watch.py says h
   stays usable;
 * a rank that raises inside an exchange (out of memory while packing, injected): its peers raise
   within a poll of the group's failure record, naming it, and the group refuses every later call;
-* a rank that never makes the call: its peer gives up after twice ``MORI_EP_TIMEOUT_S``;
+* a rank that never makes the call, or never constructs its op: its peer gives up after twice
+  ``MORI_EP_TIMEOUT_S``;
 * a rank killed with SIGKILL: its peer raises as soon as the connection closes.
 """
 from __future__ import annotations
@@ -124,6 +125,28 @@ def _absent_peer_job(rank, ws):
 def test_a_peer_that_never_makes_the_call_is_given_up_on_after_the_timeout(monkeypatch):
     monkeypatch.setenv("MORI_EP_TIMEOUT_S", str(TIMEOUT_S))
     run_distributed(_absent_peer_job, 2, timeout=90)
+
+
+def _absent_constructor_job(rank, ws):
+    store = dist.distributed_c10d._get_process_group_store(dist.group.WORLD)
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(EpPeerError, match=rf"the exchange of the ranks' cards at construction: rank 0 waited "
+                                              rf"{2 * TIMEOUT_S} s \(2 x MORI_EP_TIMEOUT_S\) for its peers"):
+            _op(rank, ws)
+        assert 2 * TIMEOUT_S <= time.monotonic() - start < 2 * TIMEOUT_S + 5
+    else:  # constructs only once its peer has given up on it, and is refused at once
+        store.wait([FAILED_KEY], datetime.timedelta(seconds=60))
+        start = time.monotonic()
+        with pytest.raises(EpStateError, match="failed earlier"):
+            _op(rank, ws)
+        assert time.monotonic() - start < 5
+
+
+def test_a_peer_that_never_constructs_its_op_is_given_up_on_after_the_timeout(monkeypatch):
+    """The first collective of a construction (the ranks' cards) is bounded like a call's."""
+    monkeypatch.setenv("MORI_EP_TIMEOUT_S", str(TIMEOUT_S))
+    run_distributed(_absent_constructor_job, 2, timeout=90)
 
 
 def _killed_peer_worker(rank, ws, port, path):

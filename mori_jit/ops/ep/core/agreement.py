@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mori_jit.ops.ep.core.watch import watch_of
+from mori_jit.ops.ep.memory.peers import collective_device
 from mori_jit.ops.ep.errors import EpArgumentError, EpPeerError, EpStateError
 
 __all__ = ["Step", "step_text", "agree_on_arguments", "agree_on_step", "RECORD_BYTES"]
@@ -99,8 +100,7 @@ def _gather(group, step: Step, refusal: Optional[BaseException], weights_given: 
     kind = "arguments" if isinstance(refusal, (TypeError, ValueError, NotImplementedError, EpStateError)) else "call"
     msg = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
     mine = _encode([list(step), msg, kind, weights_given])
-    device = torch.device("cpu") if "gloo" in str(dist.get_backend(group)) else \
-        torch.device("cuda", torch.cuda.current_device())
+    device = collective_device(group)
     t = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
     t[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     t = t.to(device)

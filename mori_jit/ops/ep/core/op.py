@@ -102,7 +102,7 @@ class EpDispatchCombineOp(Legs, SplitLegs, MoriSurface, MaskSurface, abc.ABC):
         self._watch.check_usable(ask_the_store=ws > 1)
         # One collective tells every rank the others' host, device and config, so each decision
         # below is the same on every rank (a mismatch raises on all of them, none hangs).
-        cards = gather_cards(self.group, RankCard.local(rank, self.device, cfg))
+        cards = gather_cards(self.group, RankCard.local(rank, self.device, cfg), self._watch.wait)
         mismatch = config_mismatch(cards)
         if mismatch:
             raise EpConfigError(mismatch)

@@ -1,9 +1,10 @@
 """What the ranks of an EP group learn about each other at construction, in one collective.
 
 Every rank contributes a :class:`RankCard` (its host, its device's UUID, whether torch symmetric
-memory is usable, its config); :func:`gather_cards` exchanges them with one
-``all_gather_object`` over the op's group (any backend, gloo included). Everything derived from
-the cards is a pure function of the full list, so every rank reaches the same decision:
+memory is usable, its config); :func:`gather_cards` exchanges them over the op's group (any backend,
+gloo included) in two asynchronous ``all_gather`` calls whose waits the caller bounds (a peer that
+never constructs its op makes the others raise, not hang). Everything derived from the cards is a
+pure function of the full list, so every rank reaches the same decision:
 
 * :func:`ranks_sharing_device`: how many ranks of the group run on this rank's GPU. Co-located
   ranks share its SMs/CUs: each rank sizes and clamps its grids to its share, so that every rank's
@@ -16,15 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 import socket
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from mori_jit.ops.ep.config_rules import SYMM_MEMORY_KINDS
 from mori_jit.ops.ep.errors import EpArgumentError
 
-__all__ = ["RankCard", "gather_cards", "host_id", "ranks_sharing_device", "config_mismatch", "memory_kind"]
+__all__ = ["RankCard", "gather_cards", "collective_device", "host_id", "ranks_sharing_device", "config_mismatch",
+           "memory_kind"]
 
 
 
@@ -69,13 +72,35 @@ class RankCard:
         return cls(rank, host_id(), uuid, _torch_symm_mem_usable(device), config)
 
 
-def gather_cards(group, card: RankCard) -> list[RankCard]:
-    """Collective: every rank's card, by rank (one rank: its own, without a collective)."""
-    if dist.get_world_size(group) == 1:
+def collective_device(group) -> torch.device:
+    """Where the tensors of a host collective on ``group`` live: the CPU for gloo, the current GPU
+    otherwise (NCCL moves only device memory)."""
+    if "gloo" in str(dist.get_backend(group)).lower():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def gather_cards(group, card: RankCard, wait: Callable[[Any, str], None]) -> list[RankCard]:
+    """Collective: every rank's card, by rank (one rank: its own, without a collective).
+
+    Two ``all_gather`` calls (the pickled cards' sizes, then the cards), each started with
+    ``async_op=True`` and handed to ``wait(work, what)``, which bounds it (the op's
+    :meth:`GroupWatch.wait <mori_jit.ops.ep.core.watch.GroupWatch.wait>`)."""
+    ws = dist.get_world_size(group)
+    if ws == 1:
         return [card]
-    cards: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(cards, card, group=group)
-    return cards
+    device = collective_device(group)
+    blob = pickle.dumps(card)
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(ws)]
+    wait(dist.all_gather(sizes, size, group=group, async_op=True), "the exchange of the ranks' cards at construction")
+    counts = [int(s.item()) for s in sizes]
+    mine = torch.zeros(max(counts), dtype=torch.uint8)
+    mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    mine = mine.to(device)
+    outs = [torch.empty_like(mine) for _ in range(ws)]
+    wait(dist.all_gather(outs, mine, group=group, async_op=True), "the exchange of the ranks' cards at construction")
+    return [pickle.loads(o.cpu().numpy().tobytes()[:n]) for o, n in zip(outs, counts)]
 
 
 def ranks_sharing_device(cards: Sequence[RankCard], rank: int) -> int:
