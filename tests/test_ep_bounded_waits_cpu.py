@@ -80,7 +80,7 @@ def _exchange_failure_job(rank, ws):
     x, w, idx = _inputs(rank, ws)
     start = time.monotonic()
     if rank == 0:
-        reference._pack_rows = _out_of_memory  # (this process only: a fault on one rank, after the counts)
+        reference.pack_rows = _out_of_memory  # (this process only: a fault on one rank, after the counts)
         with pytest.raises(torch.OutOfMemoryError, match="injected"):
             op.dispatch(x, w, None, idx)
     else:

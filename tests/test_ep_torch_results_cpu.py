@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mori_jit.ops.ep import EpArgumentError, EpDispatchCombineConfig, EpDispatchCombineOp
-from mori_jit.ops.ep.backends.torch.reference import _from_row_bytes, _pack_rows, _row_bytes
+from mori_jit.ops.ep.backends.torch.rows import from_row_bytes, pack_rows, row_bytes
 from mori_jit.testing.distributed import run_distributed
 from mori_jit.testing.golden import golden_check
 
@@ -30,13 +30,13 @@ def test_every_field_reads_back_at_any_offset_and_row_count(rows, before, after)
     width, which need not be a multiple of its element size (a view of such a storage is refused)."""
     for i, dtype in enumerate(DTYPES):
         lead, field, tail = _values(before, rows, 1, i), _values(dtype, rows, 3, 10 + i), _values(after, rows, 1, 20)
-        packed = _pack_rows([_row_bytes(lead), _row_bytes(field), _row_bytes(tail)], None)
+        packed = pack_rows([row_bytes(lead), row_bytes(field), row_bytes(tail)], None)
         w0, w1 = before.itemsize, 3 * dtype.itemsize
         for sl in (packed[:, w0:w0 + w1], packed[1:, w0:w0 + w1] if rows else packed[:, w0:w0 + w1]):
-            got = _from_row_bytes(sl, dtype, 3)
+            got = from_row_bytes(sl, dtype, 3)
             want = field[-sl.shape[0]:] if sl.shape[0] else field[:0]
             assert got.dtype == dtype and got.shape == want.shape
-            assert torch.equal(_row_bytes(got), _row_bytes(want)), (dtype, before, rows)
+            assert torch.equal(row_bytes(got), row_bytes(want)), (dtype, before, rows)
 
 
 def _one_row_job(rank, ws):

@@ -34,11 +34,12 @@ from typing import Callable, NamedTuple
 import torch
 
 from mori_jit.ops.ep.backends.torch.counts import gather_counts
+from mori_jit.ops.ep.backends.torch.rows import pack_rows, row_bytes, unpack_rows
 from mori_jit.ops.ep.backends.torch.wire import CombineWire, pack_combine, send_positions
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.errors import EpArgumentError
 
-__all__ = ["TorchRouting", "reference_dispatch", "reference_combine", "DispatchPlan", "plan_dispatch", "unpack_rows"]
+__all__ = ["TorchRouting", "reference_dispatch", "reference_combine", "DispatchPlan", "plan_dispatch"]
 
 
 @dataclass
@@ -70,41 +71,6 @@ class TorchRouting:
     def total_recv(self) -> int:
         """Number of rows received by dispatch (valid rows of the dispatch output)."""
         return sum(self.recv_counts)
-
-
-def _row_bytes(t: torch.Tensor) -> torch.Tensor:
-    """View a 2-D tensor ``[rows, C]`` as its raw bytes ``[rows, C * element_size]`` (uint8)."""
-    rows, cols = t.shape
-    if t.numel() == 0:  # empty tensors may carry stride 0, which a dtype view rejects
-        return torch.empty((rows, cols * t.element_size()), dtype=torch.uint8, device=t.device)
-    return t.contiguous().view(torch.uint8).reshape(rows, cols * t.element_size())
-
-
-def _from_row_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """Inverse of :func:`_row_bytes`: reinterpret ``[rows, cols * elsize]`` bytes as ``dtype``."""
-    if b.numel() == 0:
-        return torch.empty((b.shape[0], cols), dtype=dtype, device=b.device)
-    # A dtype view needs dense rows, and a storage offset and row stride that are multiples of the
-    # element size. ``b`` is usually a column slice of a packed buffer: its rows are not dense, and
-    # a single row (which torch calls contiguous) keeps the packed row's stride and starts where the
-    # fields before it end (an int64 column after the 4-byte source id starts at offset 4). A fresh
-    # dense copy (offset 0) is viewable; a tensor that already is one is viewed as it is.
-    if b.stride() != (b.shape[1], 1) or b.storage_offset() % dtype.itemsize:
-        b = b.clone(memory_format=torch.contiguous_format)
-    return b.view(dtype).reshape(b.shape[0], cols)
-
-
-def _pack_rows(fields: list[torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
-    """Concatenate byte fields ``[n, w_i]`` column-wise, taking only ``rows`` (all if None)."""
-    n = fields[0].shape[0] if rows is None else rows.numel()
-    width = sum(f.shape[1] for f in fields)
-    out = torch.empty(n, width, dtype=torch.uint8, device=fields[0].device)
-    off = 0
-    for f in fields:
-        w = f.shape[1]
-        out[:, off : off + w] = f if rows is None else f.index_select(0, rows)
-        off += w
-    return out
 
 
 def _destination_mask(indices: torch.Tensor, world_size: int, num_experts_per_rank: int) -> torch.Tensor:
@@ -227,14 +193,14 @@ def plan_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, n
     # int64 ids travel whole: an out-of-range id cast to int32 could wrap into a valid one
     id_dtype = indices.dtype if indices.dtype in (torch.int32, torch.int64) else torch.int32
     fields = [
-        _row_bytes(src_id),
-        _row_bytes(indices.to(device=device, dtype=id_dtype)),
-        _row_bytes(weights.to(device=device, dtype=torch.float32)),
-        _row_bytes(x),
+        row_bytes(src_id),
+        row_bytes(indices.to(device=device, dtype=id_dtype)),
+        row_bytes(weights.to(device=device, dtype=torch.float32)),
+        row_bytes(x),
     ]
     if scales is not None:
-        fields.append(_row_bytes(scales.to(device)))
-    send = _pack_rows(fields, send_tok)
+        fields.append(row_bytes(scales.to(device)))
+    send = pack_rows(fields, send_tok)
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=device)
     out_indices = torch.empty(recv_capacity, k, dtype=id_dtype, device=device)
     out_weights = torch.empty(recv_capacity, k, dtype=torch.float32, device=device)
@@ -253,18 +219,6 @@ def plan_dispatch(group, rank: int, world_size: int, max_tokens_per_rank: int, n
 
     return DispatchPlan(send, recv, routing, (out, out_weights, out_scales, out_indices, total_recv, routing), unpack,
                         ex)
-
-
-def unpack_rows(recv: torch.Tensor, outs: list, total: int) -> None:
-    """Row ``i`` of the packed ``recv`` into row ``i`` of each output, field by field (each output's
-    row bytes, in order; a None output has no field)."""
-    off = 0
-    for o in outs:
-        if o is None:
-            continue
-        w = o.shape[1] * o.element_size()
-        o[:total] = _from_row_bytes(recv[:, off:off + w], o.dtype, o.shape[1])
-        off += w
 
 
 def reference_combine(
@@ -306,7 +260,7 @@ def reference_combine(
             raise EpArgumentError(f"combine sums rows; {what} dtype {dt} cannot be summed")
     device = expert_out.device
     fields, unpack = pack_combine(expert_out, weights, total, wire)
-    send = _pack_rows(fields, None)
+    send = pack_rows(fields, None)
     # Reverse exchange: what we received from peer r goes back to r, and we get back exactly the
     # rows we sent, in our send order (which is routing.send_tok's order).
     back = torch.empty(sum(routing.send_counts), send.shape[1], dtype=torch.uint8, device=device)

@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from mori_jit.ops.ep.backends.torch.reference import TorchRouting, _from_row_bytes, _pack_rows, _row_bytes
+from mori_jit.ops.ep.backends.torch.reference import TorchRouting
+from mori_jit.ops.ep.backends.torch.rows import from_row_bytes, pack_rows, row_bytes
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.results import EpExpertLayout
 
@@ -77,10 +78,10 @@ def _scatter_rows(m: ExpertMap, rows: torch.Tensor, pad_byte: int) -> torch.Tens
     every byte of a padding entry ``pad_byte`` (0: zeros; 0xFF: -1 in an int32 map). Moves bytes, so
     every dtype (fp8, UE8M0) goes through unchanged."""
     entries = m.counts.numel() * m.capacity
-    b = _row_bytes(rows)
+    b = row_bytes(rows)
     flat = torch.full((entries + 1, b.shape[1]), pad_byte, dtype=torch.uint8, device=b.device)
     flat[m.dest] = b  # slots of no local expert all land on the spare entry, cut off below
-    return _from_row_bytes(flat[:entries], rows.dtype, rows.shape[1])
+    return from_row_bytes(flat[:entries], rows.dtype, rows.shape[1])
 
 
 def expert_layout(m: ExpertMap, out: torch.Tensor, out_scales: Optional[torch.Tensor],
@@ -121,12 +122,12 @@ def reference_replay(group, routing: TorchMoeRouting, x: torch.Tensor, weights: 
     Collective, like the dispatch. Returns ``(out [cap, H], out_weights [cap, k] | None,
     out_scales [cap, S] | None)``; row i is the payload of the token whose original dispatch row i was.
     """
-    fields = [_row_bytes(x)]
+    fields = [row_bytes(x)]
     if weights is not None:
-        fields.append(_row_bytes(weights.to(torch.float32)))
+        fields.append(row_bytes(weights.to(torch.float32)))
     if scales is not None:
-        fields.append(_row_bytes(scales))
-    send = _pack_rows(fields, routing.send_tok)
+        fields.append(row_bytes(scales))
+    send = pack_rows(fields, routing.send_tok)
     total = routing.total_recv
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=x.device)
     ex = exchange if exchange is not None else Exchange.plain(group)
@@ -136,7 +137,7 @@ def reference_replay(group, routing: TorchMoeRouting, x: torch.Tensor, weights: 
         dtype = torch.float32 if t is weights else t.dtype
         cols = t.shape[1]
         o = torch.empty(routing.recv_capacity, cols, dtype=dtype, device=x.device)
-        o[:total] = _from_row_bytes(recv[:, off:off + f.shape[1]], dtype, cols)
+        o[:total] = from_row_bytes(recv[:, off:off + f.shape[1]], dtype, cols)
         outs.append(o)
         off += f.shape[1]
     out = outs.pop(0)

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
-from mori_jit.ops.ep.backends.torch.reference import (TorchRouting, _pack_rows, _row_bytes, plan_dispatch,
-                                                      unpack_rows)
+from mori_jit.ops.ep.backends.torch.reference import TorchRouting, plan_dispatch
+from mori_jit.ops.ep.backends.torch.rows import pack_rows, row_bytes, unpack_rows
 from mori_jit.ops.ep.backends.torch.wire import CombineWire, pack_combine
 from mori_jit.ops.ep.core.watch import Exchange
 from mori_jit.ops.ep.results import EpExpertLayout
@@ -53,8 +53,8 @@ def post_replay(group, routing, x: torch.Tensor, weights: Optional[torch.Tensor]
     """:func:`~.reference_moe.reference_replay` as a send and a receive: ``(out, out_weights,
     out_scales)`` (filled by the receive) and the receive."""
     payload = [x] + [t for t in (weights, scales) if t is not None]
-    fields = [_row_bytes(t if t is not weights else t.to(torch.float32)) for t in payload]
-    send = _pack_rows(fields, routing.send_tok)
+    fields = [row_bytes(t if t is not weights else t.to(torch.float32)) for t in payload]
+    send = pack_rows(fields, routing.send_tok)
     total = routing.total_recv
     recv = torch.empty(total, send.shape[1], dtype=torch.uint8, device=x.device)
     ex = exchange if exchange is not None else Exchange.plain(group)
@@ -82,7 +82,7 @@ def post_combine(group, routing: TorchRouting, expert_out: torch.Tensor, weights
     ``out_weights`` when given, else new; filled by the receive) and the receive."""
     total, device, hidden = routing.total_recv, expert_out.device, expert_out.shape[1]
     fields, unpack = pack_combine(expert_out, weights, total, wire)
-    send = _pack_rows(fields, None)
+    send = pack_rows(fields, None)
     back = torch.empty(sum(routing.send_counts), send.shape[1], dtype=torch.uint8, device=device)
     ex = exchange if exchange is not None else Exchange.plain(group)
     wait = ex.post_all_to_all(back, send, routing.send_counts, routing.recv_counts)
