@@ -149,6 +149,78 @@ def test_a_peer_that_never_constructs_its_op_is_given_up_on_after_the_timeout(mo
     run_distributed(_absent_constructor_job, 2, timeout=90)
 
 
+def _gather_objects_job(rank, ws):
+    from mori_jit.ops.ep.core.watch import watch_of
+    from mori_jit.ops.ep.memory.peers import gather_objects
+
+    mine = {"rank": rank, "blob": "x" * (100 * rank)}  # (pickles of different sizes: the padding is cut off)
+    assert gather_objects(dist.group.WORLD, mine, watch_of(dist.group.WORLD).wait, "a test exchange") == \
+        [{"rank": r, "blob": "x" * (100 * r)} for r in range(ws)]
+
+
+def test_gather_objects_returns_every_ranks_object_by_rank():
+    run_distributed(_gather_objects_job, 3, timeout=90)
+
+
+class _CpuPeersProvider:
+    """An arena provider on the CPU that reports a peer block per rank (the barrier runs)."""
+
+    kind = "cpu"
+
+    def allocate(self, nbytes, device, group, wait=None):
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf, [buf.data_ptr()] * dist.get_world_size(group)
+
+    def release(self, tensor):
+        pass
+
+
+def _absent_arena_peer_job(rank, ws):
+    from mori_jit.ops.ep.core.watch import watch_of
+    from mori_jit.ops.ep.memory.arena import SymmArena
+
+    group = dist.group.WORLD
+    store = dist.distributed_c10d._get_process_group_store(group)
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(EpPeerError, match=rf"the barrier after zeroing the arena at construction: rank 0 waited "
+                                              rf"{2 * TIMEOUT_S} s"):
+            SymmArena.create({"a": 512}, group, torch.device("cpu"), _CpuPeersProvider(), wait=watch_of(group).wait)
+        assert 2 * TIMEOUT_S <= time.monotonic() - start < 2 * TIMEOUT_S + 5
+    else:  # never makes its arena
+        store.wait([FAILED_KEY], datetime.timedelta(seconds=60))
+
+
+def test_a_peer_that_never_makes_its_arena_is_given_up_on_after_the_timeout(monkeypatch):
+    """The arena's barrier at construction is bounded by the group's watch."""
+    monkeypatch.setenv("MORI_EP_TIMEOUT_S", str(TIMEOUT_S))
+    run_distributed(_absent_arena_peer_job, 2, timeout=90)
+
+
+def _failed_construction_job(rank, ws):
+    from mori_jit.ops.ep.backends.torch.backend import EpDispatchCombineOpTorch
+
+    if rank == 1:
+        def broken(self, cfg, arena):
+            raise RuntimeError("a build that fails on one rank (injected)")
+
+        EpDispatchCombineOpTorch._build_kernels = broken  # (this process only)
+        with pytest.raises(RuntimeError, match="injected"):
+            _op(rank, ws)
+        return
+    op = _op(rank, ws)  # (its construction has no collective after the cards: it completes)
+    x, w, idx = _inputs(rank, ws)
+    start = time.monotonic()
+    with pytest.raises(EpPeerError, match=r"construction of op #1: rank 1 raised RuntimeError: a build that fails "
+                                          r"on one rank \(injected\)"):
+        op.dispatch(x, w, None, idx)
+    assert time.monotonic() - start < 5
+
+
+def test_a_construction_that_fails_on_one_rank_fails_its_peers_next_call_naming_it():
+    run_distributed(_failed_construction_job, 2, timeout=90)
+
+
 def _killed_peer_worker(rank, ws, port, path):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)

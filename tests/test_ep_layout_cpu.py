@@ -138,7 +138,7 @@ class _RecordingProvider:
     def __init__(self):
         self.released = []
 
-    def allocate(self, nbytes, device, group):
+    def allocate(self, nbytes, device, group, wait=None):
         import torch
 
         buf = torch.empty(nbytes, dtype=torch.uint8)

@@ -33,8 +33,8 @@ from mori_jit.ops.ep.core.op_mori import MoriSurface
 from mori_jit.ops.ep.core.overlap import SplitLegs
 from mori_jit.ops.ep.core.watch import watch_of
 from mori_jit.ops.ep.memory.peers import RankCard, config_mismatch, gather_cards, memory_kind, ranks_sharing_device
-from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpConfigError, EpError, EpStateError, \
-    EpUnsupportedError, jit_errors_as_ep_errors
+from mori_jit.ops.ep.errors import EpArgumentError, EpArgumentTypeError, EpConfigError, EpError, EpPeerError, \
+    EpStateError, EpUnsupportedError, jit_errors_as_ep_errors
 
 _log = logging.getLogger(__name__)
 
@@ -114,10 +114,17 @@ class EpDispatchCombineOp(Legs, SplitLegs, MoriSurface, MaskSurface, abc.ABC):
         with jit_errors_as_ep_errors():
             regions = self._regions(cfg)
         self.memory_kind = self._memory_kind(cfg, cards) if regions else None
-        self.arena = SymmArena.create(regions, self.group, self.device, self.memory_kind) if regions else None
+        try:  # (the peers may wait in a collective of the construction this rank now never joins)
+            self.arena = SymmArena.create(regions, self.group, self.device, self.memory_kind,
+                                          wait=self._watch.wait) if regions else None
+            with jit_errors_as_ep_errors():
+                self._kernels = self._build_kernels(cfg, self.arena)
+        except Exception as e:
+            if ws > 1 and not isinstance(e, EpPeerError):  # (an EpPeerError was recorded by the watch)
+                self._watch.fail(f"construction of op #{self._number}: rank {rank} raised {type(e).__name__}: "
+                                 f"{str(e)[:300]}")
+            raise
         self._arena_span = byte_span(self.arena.tensor if self.arena is not None else None)
-        with jit_errors_as_ep_errors():
-            self._kernels = self._build_kernels(cfg, self.arena)
         # What every call reads, resolved once: the config's properties cost a Python call each,
         # and dispatch()/combine() have a host budget of a few microseconds.
         # _pick(num_tokens): the bucket index, a lookup among already-compiled variants, never a compile

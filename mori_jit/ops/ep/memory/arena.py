@@ -13,6 +13,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from mori_jit.ops.ep.memory.peers import blocking_wait
 from mori_jit.ops.ep.memory.symm import MemoryProvider, make_provider
 from mori_jit.ops.ep.errors import EpArgumentError
 
@@ -53,17 +54,20 @@ class SymmArena:
 
     @classmethod
     def create(cls, region_bytes: Mapping[str, int], group, device: torch.device,
-               provider: MemoryProvider | str = "torch") -> "SymmArena":
+               provider: MemoryProvider | str = "torch", wait=None) -> "SymmArena":
         """Collective: allocate (``provider``: an instance or a kind, ``torch``/``ipc``), zero, and
-        wait until every rank has zeroed before anyone writes."""
+        wait until every rank has zeroed before anyone writes. ``wait(work, what)`` bounds the
+        collectives started here (the op's group watch; None: unbounded)."""
         offsets, total = layout(region_bytes)
         if isinstance(provider, str):
             provider = make_provider(provider)
-        tensor, bases = provider.allocate(total, device, group)
+        tensor, bases = provider.allocate(total, device, group, wait=wait)
         tensor.zero_()
         if len(bases) > 1:  # (one rank has no peer to wait for)
-            torch.cuda.synchronize(device)
-            dist.barrier(group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            work = dist.barrier(group=group, async_op=True)
+            (wait or blocking_wait)(work, "the barrier after zeroing the arena at construction")
         return cls(tensor, offsets, dict(region_bytes), bases, provider)
 
     def view(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -55,7 +55,7 @@ class NvshmemProvider:
         self._handle = None
         self._group = None
 
-    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
+    def allocate(self, nbytes: int, device: torch.device, group, wait=None) -> tuple[torch.Tensor, list[int]]:
         """Collective: ``nbytes`` of NVSHMEM symmetric memory on every rank; the local tensor and
         each rank's base where this rank reaches it with loads and stores (0 where only puts do)."""
         import torch.distributed._symmetric_memory as symm_mem

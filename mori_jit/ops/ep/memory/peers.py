@@ -26,7 +26,7 @@ import torch.distributed as dist
 from mori_jit.ops.ep.config_rules import SYMM_MEMORY_KINDS
 from mori_jit.ops.ep.errors import EpArgumentError
 
-__all__ = ["RankCard", "gather_cards", "collective_device", "host_id", "ranks_sharing_device", "config_mismatch",
+__all__ = ["RankCard", "gather_cards", "gather_objects", "blocking_wait", "collective_device", "host_id", "ranks_sharing_device", "config_mismatch",
            "memory_kind"]
 
 
@@ -80,27 +80,39 @@ def collective_device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def gather_cards(group, card: RankCard, wait: Callable[[Any, str], None]) -> list[RankCard]:
-    """Collective: every rank's card, by rank (one rank: its own, without a collective).
+def blocking_wait(work, what: str) -> None:
+    """``wait(work, what)`` without a bound (a caller with no group watch)."""
+    work.wait()
 
-    Two ``all_gather`` calls (the pickled cards' sizes, then the cards), each started with
-    ``async_op=True`` and handed to ``wait(work, what)``, which bounds it (the op's
-    :meth:`GroupWatch.wait <mori_jit.ops.ep.core.watch.GroupWatch.wait>`)."""
+
+def gather_objects(group, obj: Any, wait: Callable[[Any, str], None], what: str) -> list:
+    """Collective: every rank's picklable ``obj``, by rank.
+
+    Two ``all_gather`` calls (the pickled objects' sizes, then the objects padded to the largest),
+    each started with ``async_op=True`` and handed to ``wait(work, what)``, which bounds it (the op's
+    :meth:`GroupWatch.wait <mori_jit.ops.ep.core.watch.GroupWatch.wait>`; ``what`` names the
+    exchange in its errors). ``all_gather_object`` would wait without a bound."""
     ws = dist.get_world_size(group)
-    if ws == 1:
-        return [card]
     device = collective_device(group)
-    blob = pickle.dumps(card)
+    blob = pickle.dumps(obj)
     size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(ws)]
-    wait(dist.all_gather(sizes, size, group=group, async_op=True), "the exchange of the ranks' cards at construction")
+    wait(dist.all_gather(sizes, size, group=group, async_op=True), what)
     counts = [int(s.item()) for s in sizes]
     mine = torch.zeros(max(counts), dtype=torch.uint8)
     mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     mine = mine.to(device)
     outs = [torch.empty_like(mine) for _ in range(ws)]
-    wait(dist.all_gather(outs, mine, group=group, async_op=True), "the exchange of the ranks' cards at construction")
+    wait(dist.all_gather(outs, mine, group=group, async_op=True), what)
     return [pickle.loads(o.cpu().numpy().tobytes()[:n]) for o, n in zip(outs, counts)]
+
+
+def gather_cards(group, card: RankCard, wait: Callable[[Any, str], None]) -> list[RankCard]:
+    """Collective: every rank's card, by rank (one rank: its own, without a collective), in
+    :func:`gather_objects`' bounded exchange."""
+    if dist.get_world_size(group) == 1:
+        return [card]
+    return gather_objects(group, card, wait, "the exchange of the ranks' cards at construction")
 
 
 def ranks_sharing_device(cards: Sequence[RankCard], rank: int) -> int:

@@ -34,9 +34,11 @@ class MemoryProvider(Protocol):
 
     kind: str
 
-    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
+    def allocate(self, nbytes: int, device: torch.device, group, wait=None) -> tuple[torch.Tensor, list[int]]:
         """Collective: ``nbytes`` on ``device`` for every rank of ``group``; the local uint8 tensor
-        and each rank's base address of its block (this rank's is the tensor's ``data_ptr``)."""
+        and each rank's base address of its block (this rank's is the tensor's ``data_ptr``).
+        ``wait(work, what)`` bounds the provider's own collectives where it starts them (None:
+        unbounded); a rendezvous inside torch waits as torch does."""
         ...
 
     def release(self, tensor: torch.Tensor) -> None:
@@ -50,7 +52,7 @@ class TorchSymmMemProvider:
 
     kind = "torch"
 
-    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
+    def allocate(self, nbytes: int, device: torch.device, group, wait=None) -> tuple[torch.Tensor, list[int]]:
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
@@ -95,8 +97,8 @@ class IpcMemoryProvider:
         self._own: torch.Tensor | None = None
         self._peers: list[torch.UntypedStorage] = []
 
-    def allocate(self, nbytes: int, device: torch.device, group) -> tuple[torch.Tensor, list[int]]:
-        from mori_jit.ops.ep.memory.peers import host_id
+    def allocate(self, nbytes: int, device: torch.device, group, wait=None) -> tuple[torch.Tensor, list[int]]:
+        from mori_jit.ops.ep.memory.peers import blocking_wait, gather_objects, host_id
 
         group = group or dist.group.WORLD
         rank, ws = dist.get_rank(group), dist.get_world_size(group)
@@ -112,8 +114,8 @@ class IpcMemoryProvider:
         # A share: (device index, handle, block size, offset in the block, ref-counter handle and
         # offset, event).
         shares = [None if pe == rank else buf.untyped_storage()._share_cuda_() for pe in range(ws)]
-        cards: list = [None] * ws
-        dist.all_gather_object(cards, (host_id(), nbytes, shares), group=group)
+        cards = gather_objects(group, (host_id(), nbytes, shares), wait or blocking_wait,
+                               "the exchange of IPC handles at construction")
         check_peer_blocks([(c[0], c[1]) for c in cards])
         bases = []
         for pe, (_, _, peer_shares) in enumerate(cards):

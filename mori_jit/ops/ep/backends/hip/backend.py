@@ -86,7 +86,8 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
         if low:  # before any peer's first combine pushes here (construction is collective)
             arena.fill(_EMPTY_BYTE, *_EMPTY_REGIONS)
             torch.cuda.synchronize(dev)
-            dist.barrier(group=self.group)
+            self._watch.wait(dist.barrier(group=self.group, async_op=True),
+                             "the barrier after filling the combine's regions at construction")
         # every variant is compiled and loaded here, before the first _pick (precompile walks the same list)
         requests = var.requests()
         build_many(requests, tc)  # misses compile in parallel; loading stays on this thread (its context)
