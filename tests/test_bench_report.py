@@ -1,15 +1,21 @@
-"""CPU test of scripts/bench_ep.py's report: the derived columns are computed from the raw times."""
+"""CPU test of scripts/bench_ep.py's report (scripts/bench_ep_report.py): the derived columns are
+computed from the raw times."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 from conftest import REPO
 from mori_jit.testing.distributed import run_distributed
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_ep", REPO / "scripts" / "bench_ep.py")
+def _bench_module(name="bench_ep"):
+    """``scripts/<name>.py``, loaded as the script runs (its sibling modules importable)."""
+    scripts = str(REPO / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -29,7 +35,7 @@ def test_report_derives_bandwidth_link_share_and_ratios(tmp_path):
     path.write_text(json.dumps({"link_ceiling_gbps": 400.0, "link_ceiling_reps_gbps": [399.2, 400.0, 401.4],
                                 "sm_link_rates": {"sm_pull_both_gbps": 370.0},
                                 "results": [point]}))
-    md = _bench_module().report(str(path))
+    md = _bench_module("bench_ep_report").report(str(path))
     row = next(ln for ln in md.splitlines() if "| hip_graph |" in ln)
     cells = [c.strip() for c in row.strip("|").split("|")]
     algo = rows * hidden * 2 / 20.0 / 1e3            # GB/s

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from mori_jit.testing.distributed import run_distributed
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: bench_ep's timers
-from bench_ep import back_to_back_median_us, sm_link_rates  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: the benchmark's timers
+from bench_link import back_to_back_median_us, sm_link_rates  # noqa: E402
 
 
 def _job(rank, ws, rows, hidden, reps):
