@@ -171,7 +171,7 @@ class _CpuPeersProvider:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         return buf, [buf.data_ptr()] * dist.get_world_size(group)
 
-    def release(self, tensor):
+    def release(self, tensor, wait=None):
         pass
 
 

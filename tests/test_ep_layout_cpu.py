@@ -144,7 +144,7 @@ class _RecordingProvider:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         return buf, [buf.data_ptr()]
 
-    def release(self, tensor):
+    def release(self, tensor, wait=None):
         self.released.append(tensor)
 
 

@@ -162,7 +162,7 @@ class EpDispatchCombineOp(Legs, SplitLegs, MoriSurface, MaskSurface, abc.ABC):
         if self.arena is not None and self._rank_mask.masked:  # (its release is collective over every rank)
             self._abandon(EpStateError("close with masked ranks"))
         elif self.arena is not None:
-            self.arena.close()
+            self.arena.close(wait=watch.wait)
         self._let_go_of_group()
 
     def _let_go_of_group(self) -> None:

@@ -87,12 +87,13 @@ class SymmArena:
         for n in names:
             self.tensor[self.offsets[n]:self.offsets[n] + self.sizes[n]].fill_(byte)
 
-    def close(self) -> None:
+    def close(self, wait=None) -> None:
         """Collective: release the memory; the arena holds an empty tensor and no peer bases
         afterwards. Every rank drops its mappings of the peers' blocks before any owner frees its
-        own (the IPC provider waits for the group in between)."""
+        own (the IPC provider waits for the group in between; ``wait(work, what)`` bounds that wait,
+        as at :meth:`create`)."""
         tensor, self.tensor, self.peer_bases = self.tensor, torch.empty(0, dtype=torch.uint8), []
-        self.provider.release(tensor)
+        self.provider.release(tensor, wait=wait)
 
     def abandon(self) -> None:
         """Not collective: let go of the arena without releasing it; its memory (this rank's block

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mori_jit.ops.ep.memory.peers import blocking_wait
 from mori_jit.ops.ep.memory.torch_compat import torch_before
 from mori_jit.ops.ep.errors import EpMemoryError
 
@@ -79,14 +80,15 @@ class NvshmemProvider:
         self._handle, self._group = handle, group  # keep the mapping alive as long as the tensor
         return buf, [p + delta if p else 0 for p in ptrs]
 
-    def release(self, tensor: torch.Tensor) -> None:
+    def release(self, tensor: torch.Tensor, wait=None) -> None:
         """Collective: wait for the device and the group, then drop the handle. The block goes back
         to NVSHMEM when its last tensor dies (``nvshmem_free`` is collective in NVSHMEM: every rank
         drops its views of an op, such as dispatch outputs, at the same point of its program)."""
         if self._handle is None:
             return
         torch.cuda.synchronize(tensor.device if tensor.is_cuda else None)
-        dist.barrier(group=self._group)
+        work = dist.barrier(group=self._group, async_op=True)
+        (wait or blocking_wait)(work, "the barrier of the arena's release at close")
         self._handle = self._group = None
 
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from mori_jit.ops.ep.config_rules import SYMM_MEMORY_KINDS
 from mori_jit.ops.ep.errors import EpArgumentError
 
-__all__ = ["RankCard", "gather_cards", "gather_objects", "blocking_wait", "collective_device", "host_id", "ranks_sharing_device", "config_mismatch",
-           "memory_kind"]
+__all__ = ["RankCard", "gather_cards", "gather_objects", "blocking_wait", "collective_device", "host_id",
+           "ranks_sharing_device", "config_mismatch", "memory_kind"]
 
 
 

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from mori_jit.ops.ep.memory.peers import blocking_wait, gather_objects, host_id
 from mori_jit.ops.ep.memory.torch_compat import torch_before
 from mori_jit.ops.ep.errors import EpArgumentError, EpMemoryError
 
@@ -41,9 +42,9 @@ class MemoryProvider(Protocol):
         unbounded); a rendezvous inside torch waits as torch does."""
         ...
 
-    def release(self, tensor: torch.Tensor) -> None:
+    def release(self, tensor: torch.Tensor, wait=None) -> None:
         """Collective: drop the peers' mappings, then (after the group) this rank's block. No kernel
-        may still use the memory."""
+        may still use the memory. ``wait`` as at :meth:`allocate`."""
         ...
 
 
@@ -70,7 +71,7 @@ class TorchSymmMemProvider:
         self._handle = handle  # keep the mapping alive as long as the tensor
         return buf, ptrs
 
-    def release(self, tensor: torch.Tensor) -> None:
+    def release(self, tensor: torch.Tensor, wait=None) -> None:
         self._handle = None
 
 
@@ -98,7 +99,6 @@ class IpcMemoryProvider:
         self._peers: list[torch.UntypedStorage] = []
 
     def allocate(self, nbytes: int, device: torch.device, group, wait=None) -> tuple[torch.Tensor, list[int]]:
-        from mori_jit.ops.ep.memory.peers import blocking_wait, gather_objects, host_id
 
         group = group or dist.group.WORLD
         rank, ws = dist.get_rank(group), dist.get_world_size(group)
@@ -135,14 +135,16 @@ class IpcMemoryProvider:
         self._group, self._own = group, buf
         return buf, bases
 
-    def release(self, tensor: torch.Tensor) -> None:
+    def release(self, tensor: torch.Tensor, wait=None) -> None:
         if self._group is None:
             return
         if not self._peers:  # one rank: nothing shared
             self._own = self._group = None
             return
         self._peers.clear()  # unmap the peers' blocks (each storage's deleter closes its handle)
-        dist.barrier(group=self._group)  # every peer has unmapped this rank's block
+        # every peer has unmapped this rank's block
+        work = dist.barrier(group=self._group, async_op=True)
+        (wait or blocking_wait)(work, "the barrier of the arena's release at close")
         self._own = None
         self._group = None
         torch.cuda.ipc_collect()  # free this rank's block now that no peer holds it

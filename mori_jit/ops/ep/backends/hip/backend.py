@@ -226,7 +226,7 @@ class EpDispatchCombineOpHip(EpDispatchCombineOp):
 
         return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
                          capabilities=frozenset({"graph", "zero_copy_combine", "scales"}),
-                         check=check, reset=lambda: collective_reset(dev, self._rank_mask.collective()[0], clear),
+                         check=check, reset=lambda: collective_reset(dev, self._rank_mask.collective(), clear),
                          combine_input_buffer=inp_buffer.get, close=close,
                          bound_launches={DISPATCH: tuple(disp_launch), COMBINE: tuple(comb_launch)},
                          replay=replay if cfg.routing_replay else None, combine_expert_major=expert_combine,

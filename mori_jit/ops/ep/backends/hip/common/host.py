@@ -251,11 +251,13 @@ class InputBuffer:
         self._tensor = None
 
 
-def collective_reset(device: torch.device, group, clear: Callable[[], None]) -> None:
-    """Collective: every rank's device idle, then ``clear()`` (counters, flags, error words), then
-    every rank's clear complete before any rank launches again."""
+def collective_reset(device: torch.device, collective, clear: Callable[[], None]) -> None:
+    """Collective over ``collective`` (the op's ``(group, watch)`` now: the survivors' once a rank is
+    masked): every rank's device idle, then ``clear()`` (counters, flags, error words), then every
+    rank's clear complete before any rank launches again. The watch bounds both barriers."""
+    group, watch = collective
     torch.cuda.synchronize(device)
-    dist.barrier(group=group)
+    watch.wait(dist.barrier(group=group, async_op=True), "reset's barrier before clearing")
     clear()
     torch.cuda.synchronize(device)
-    dist.barrier(group=group)
+    watch.wait(dist.barrier(group=group, async_op=True), "reset's barrier after clearing")

@@ -120,7 +120,7 @@ def build_net_kernels(cfg: EpDispatchCombineConfig, arena: SymmArena, var: NetVa
     masking = {} if refusal else mask_views(arena, cfg.world_size)
     return KernelSet(dispatch=dispatch, combine=combine, schedule=var.schedule,
                      capabilities=frozenset({"graph", "zero_copy_combine", "internode"}),
-                     check=check, reset=lambda: collective_reset(device, op_mask().collective()[0], clear),
+                     check=check, reset=lambda: collective_reset(device, op_mask().collective(), clear),
                      combine_input_buffer=inp_buffer.get, close=close,
                      bound_launches={DISPATCH: tuple(disp_launches), COMBINE: tuple(comb_launches)},
                      dispatch_send=dispatch_send if var.split else None,
