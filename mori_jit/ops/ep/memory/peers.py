@@ -1,4 +1,4 @@
-"""What the ranks of an EP group learn about each other at construction, in one collective.
+"""What the ranks of an EP group learn about each other at construction, in one bounded exchange.
 
 Every rank contributes a :class:`RankCard` (its host, its device's UUID, whether torch symmetric
 memory is usable, its config); :func:`gather_cards` exchanges them over the op's group (any backend,
