@@ -69,11 +69,19 @@ def sleepy_cc(fake_cc, monkeypatch, tmp_path):
     return fake_cc
 
 
+def _as_in_a_terminal() -> None:
+    """In the child before its exec: Ctrl-C's default disposition, as a foreground command's. A
+    test run started in the background of a non-interactive shell (``pytest &``, ``nohup``) has
+    SIGINT ignored, and an ignored signal stays ignored across exec (Python then installs no
+    KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(args: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # (a session of its own: the test sends SIGINT to its process group, as a terminal does on Ctrl-C)
     return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=_as_in_a_terminal)
 
 
 def _assert_stopped_cleanly(cc, proc: subprocess.Popen, sig: int, to_group: bool) -> tuple[str, str]:
