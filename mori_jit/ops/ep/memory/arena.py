@@ -13,7 +13,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from mori_jit.ops.ep.memory.peers import blocking_wait
+from mori_jit.ops.ep.memory.peers import barrier
 from mori_jit.ops.ep.memory.symm import MemoryProvider, make_provider
 from mori_jit.ops.ep.errors import EpArgumentError
 
@@ -66,8 +66,7 @@ class SymmArena:
         if len(bases) > 1:  # (one rank has no peer to wait for)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            work = dist.barrier(group=group, async_op=True)
-            (wait or blocking_wait)(work, "the barrier after zeroing the arena at construction")
+            barrier(group, wait, "the barrier after zeroing the arena at construction")
         return cls(tensor, offsets, dict(region_bytes), bases, provider)
 
     def view(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

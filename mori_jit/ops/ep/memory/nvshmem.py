@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mori_jit.ops.ep.memory.peers import blocking_wait
+from mori_jit.ops.ep.memory.peers import barrier
 from mori_jit.ops.ep.memory.torch_compat import torch_before
 from mori_jit.ops.ep.errors import EpMemoryError
 
@@ -87,8 +87,7 @@ class NvshmemProvider:
         if self._handle is None:
             return
         torch.cuda.synchronize(tensor.device if tensor.is_cuda else None)
-        work = dist.barrier(group=self._group, async_op=True)
-        (wait or blocking_wait)(work, "the barrier of the arena's release at close")
+        barrier(self._group, wait, "the barrier of the arena's release at close")
         self._handle = self._group = None
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from mori_jit.ops.ep.config_rules import SYMM_MEMORY_KINDS
 from mori_jit.ops.ep.errors import EpArgumentError
 
-__all__ = ["RankCard", "gather_cards", "gather_objects", "blocking_wait", "collective_device", "host_id",
+__all__ = ["RankCard", "gather_cards", "gather_objects", "blocking_wait", "barrier", "collective_device", "host_id",
            "ranks_sharing_device", "config_mismatch", "memory_kind"]
 
 
@@ -83,6 +83,12 @@ def collective_device(group) -> torch.device:
 def blocking_wait(work, what: str) -> None:
     """``wait(work, what)`` without a bound (a caller with no group watch)."""
     work.wait()
+
+
+def barrier(group, wait: Optional[Callable[[Any, str], None]], what: str) -> None:
+    """Collective: ``dist.barrier`` on ``group``, started with ``async_op=True`` and handed to
+    ``wait(work, what)``, which bounds it (None: :func:`blocking_wait`)."""
+    (wait or blocking_wait)(dist.barrier(group=group, async_op=True), what)
 
 
 def gather_objects(group, obj: Any, wait: Callable[[Any, str], None], what: str) -> list:

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from mori_jit.ops.ep.memory.peers import blocking_wait, gather_objects, host_id
+from mori_jit.ops.ep.memory.peers import barrier, blocking_wait, gather_objects, host_id
 from mori_jit.ops.ep.memory.torch_compat import torch_before
 from mori_jit.ops.ep.errors import EpArgumentError, EpMemoryError
 
@@ -143,8 +143,7 @@ class IpcMemoryProvider:
             return
         self._peers.clear()  # unmap the peers' blocks (each storage's deleter closes its handle)
         # every peer has unmapped this rank's block
-        work = dist.barrier(group=self._group, async_op=True)
-        (wait or blocking_wait)(work, "the barrier of the arena's release at close")
+        barrier(self._group, wait, "the barrier of the arena's release at close")
         self._own = None
         self._group = None
         torch.cuda.ipc_collect()  # free this rank's block now that no peer holds it
