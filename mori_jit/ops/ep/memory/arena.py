@@ -11,7 +11,6 @@ import dataclasses
 from typing import Mapping
 
 import torch
-import torch.distributed as dist
 
 from mori_jit.ops.ep.memory.peers import barrier
 from mori_jit.ops.ep.memory.symm import MemoryProvider, make_provider
