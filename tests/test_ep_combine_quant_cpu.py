@@ -91,13 +91,14 @@ def cast_values(x: torch.Tensor, quant: str, scale_bytes: int) -> torch.Tensor:
     return combine_wire_decode(combine_wire_encode(x, quant, scale_bytes), quant, scale_bytes, x.dtype, x.shape[1])
 
 
-def golden_identity_sum(x, idx, ws, quant, scale_bytes, dtype):
+def golden_identity_sum(x, idx, ws, quant, scale_bytes, dtype, experts_per_rank=None):
     """y for identity experts: the token's cast row added once per distinct destination rank, from +0
-    (every term is the same, so the order does not matter), rounded once."""
+    (every term is the same, so the order does not matter), rounded once (``experts_per_rank``:
+    this file's ``epr(ws)`` unless given)."""
     v = cast_values(x, quant, scale_bytes)
-    ids = idx.long()
-    ok = (ids >= 0) & (ids < epr(ws) * ws)
-    dest = torch.where(ok, ids // epr(ws), torch.full_like(ids, ws))
+    ids, e = idx.long(), experts_per_rank or epr(ws)
+    ok = (ids >= 0) & (ids < e * ws)
+    dest = torch.where(ok, ids // e, torch.full_like(ids, ws))
     hits = torch.zeros(x.shape[0], ws + 1, dtype=torch.bool, device=x.device).scatter_(1, dest, True)[:, :ws]
     acc = torch.zeros_like(v)
     for r in range(ws):
