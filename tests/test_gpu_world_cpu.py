@@ -87,3 +87,33 @@ def test_a_daemon_left_by_a_killed_run_is_joined_through_its_pipe_folder(monkeyp
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_after_a_failed_job_the_next_waits_for_the_mps_server_to_take_clients(monkeypatch):
+    """wait_for_mps_clients: polls cuInit in a fresh process while it answers
+    CUDA_ERROR_MPS_SERVER_NOT_READY, returns at the first other answer (None: no driver to ask),
+    and gives up at its bound."""
+    from mori_jit.testing import gpu_world
+
+    monkeypatch.setattr(gpu_world.time, "sleep", lambda s: None)
+    answers = [gpu_world.CUDA_ERROR_MPS_SERVER_NOT_READY] * 3 + [0]
+    assert gpu_world.wait_for_mps_clients(probe=lambda: answers.pop(0)) is True
+    assert answers == []
+    assert gpu_world.wait_for_mps_clients(probe=lambda: None) is True
+    assert gpu_world.wait_for_mps_clients(timeout_s=0.0, probe=lambda: gpu_world.CUDA_ERROR_MPS_SERVER_NOT_READY) is False
+
+
+def test_the_cuinit_probe_runs_in_a_fresh_process():
+    """cu_init_code: cuInit's code where a driver library loads, None where none does (this is the
+    probe itself, run for real: no GPU driver here gives None, one gives an int)."""
+    import ctypes
+
+    from mori_jit.testing import gpu_world
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        has_driver = True
+    except OSError:
+        has_driver = False
+    code = gpu_world.cu_init_code()
+    assert (isinstance(code, int)) if has_driver else (code is None)

@@ -4,7 +4,9 @@ ranks per GPU, on the IPC arena provider and gloo, under CUDA MPS.
 Ranks that share a GPU spin-wait on each other's kernels, so they must run concurrently: MPS does
 that (plain time slicing only makes them crawl into their timeouts). :func:`run_ep_job` starts an
 MPS control daemon with private pipe and log folders when a job shares a GPU and none runs yet, and
-:func:`stop_mps` (called when the pytest run ends, and at exit) stops the daemon it started.
+:func:`stop_mps` (called when the pytest run ends, and at exit) stops the daemon it started. After a
+failed shared-GPU job, :func:`wait_for_mps_clients` holds the next one until the MPS server, which
+recovers from the failed ranks' terminated contexts, takes clients again.
 NCCL refuses two ranks on one GPU, so such jobs use gloo (the golden check and the torch backend
 run on it too). No timing from several ranks on one GPU measures anything but the protocol.
 
@@ -16,16 +18,19 @@ import atexit
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from mori_jit.ops.ep import knobs
 from mori_jit.testing.distributed import run_distributed
 
-__all__ = ["WORLD_SIZES", "Placement", "placement", "gpu_count", "mps_unavailable", "run_ep_job", "stop_mps"]
+__all__ = ["WORLD_SIZES", "Placement", "placement", "gpu_count", "mps_unavailable", "run_ep_job", "stop_mps",
+           "wait_for_mps_clients"]
 
 WORLD_SIZES = knobs.ep.test_world_sizes
 
@@ -156,6 +161,37 @@ def stop_mps() -> None:
     _MPS.stop()
 
 
+#: CUDA's CUDA_ERROR_MPS_SERVER_NOT_READY: what cuInit returns while the MPS server recovers from
+#: clients that died inside a context (a failed job's ranks, terminated by their spawner).
+CUDA_ERROR_MPS_SERVER_NOT_READY = 807
+#: How long the job after a failed one may wait for the MPS server to take clients again.
+MPS_RECOVERY_S = 60.0
+_CU_INIT_PROBE = "import ctypes; print(ctypes.CDLL('libcuda.so.1').cuInit(0))"
+
+
+def cu_init_code() -> Optional[int]:
+    """cuInit's result in a fresh process (this one may hold a context already); None when the
+    driver library cannot be loaded or the probe fails otherwise."""
+    try:
+        run = subprocess.run([sys.executable, "-c", _CU_INIT_PROBE], capture_output=True, text=True, timeout=30,
+                             env=dict(os.environ))
+        return int(run.stdout.strip()) if run.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def wait_for_mps_clients(timeout_s: float = MPS_RECOVERY_S, probe: Callable[[], Optional[int]] = cu_init_code,
+                         poll_s: float = 0.5) -> bool:
+    """Wait until a new process's cuInit no longer fails with CUDA_ERROR_MPS_SERVER_NOT_READY, at
+    most ``timeout_s``; whether the server takes clients (True also when the probe cannot tell)."""
+    deadline = time.monotonic() + timeout_s
+    while probe() == CUDA_ERROR_MPS_SERVER_NOT_READY:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def run_ep_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks placed by :func:`placement`;
     skips (pytest) when ranks must share a GPU and MPS is not available here."""
@@ -170,4 +206,11 @@ def run_ep_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
             pytest.skip(f"{world_size} ranks on {where.gpus} GPU(s) need CUDA MPS: {why}")
         if torch.version.hip is None:
             _join_running_daemon() if _daemon_running() else _MPS.start()
-    run_distributed(fn, world_size, *args, timeout=timeout, backend=where.backend, gpus=where.gpus)
+    try:
+        run_distributed(fn, world_size, *args, timeout=timeout, backend=where.backend, gpus=where.gpus)
+    except BaseException:
+        # The spawner terminated the failed job's other ranks inside their contexts: the next job's
+        # ranks would find the MPS server recovering (cuInit fails) and fail for no fault of theirs.
+        if where.ranks_per_gpu > 1 and torch.version.hip is None:
+            wait_for_mps_clients()
+        raise
