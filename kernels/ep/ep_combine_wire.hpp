@@ -55,8 +55,8 @@ MORI_DEVICE float AbsMaxVec(const plat::vec16_t& x) {
 // Fp8E4m3FromF32's, in software, on every arch: the packed hardware conversion (cvt.rn.satfinite
 // .e4m3x2.f32, sm_89+) put NaN bytes into some elements of this cast on sm_90a (nvcc 13.0) once
 // the summer keeps two or more vectors per lane in flight (hidden 7168: hundreds per call, the
-// count varying from call to call), where the software conversion puts none (docs/design.md,
-// "The combine wire"; tests/test_gpu_ep_combine_quant.py runs hidden 7168).
+// count varying from call to call), where the software conversion puts none (docs/performance.md,
+// "Combine wire"; tests/test_gpu_ep_fp8_model_shape.py runs hidden 7168).
 template <int kElem>
 MORI_DEVICE void CastWords(const plat::vec16_t& x, float inv, uint32_t (&out)[16 / kElem / 4]) {
   uint32_t in[4];

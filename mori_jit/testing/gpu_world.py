@@ -208,7 +208,7 @@ def run_ep_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
             _join_running_daemon() if _daemon_running() else _MPS.start()
     try:
         run_distributed(fn, world_size, *args, timeout=timeout, backend=where.backend, gpus=where.gpus)
-    except BaseException:
+    except Exception:  # (not on Ctrl-C: nothing follows then)
         # The spawner terminated the failed job's other ranks inside their contexts: the next job's
         # ranks would find the MPS server recovering (cuInit fails) and fail for no fault of theirs.
         if where.ranks_per_gpu > 1 and torch.version.hip is None:
