@@ -11,6 +11,7 @@ import torch
 
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job
 from test_ep_combine_quant_cpu import WIRES, golden_identity_sum
+from test_gpu_ep_combine_quant import PROTOCOLS, _dev
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
@@ -19,8 +20,13 @@ BIG_H, BIG_K, BIG_E, BIG_M = 7168, 8, 256, 128
 FP8 = torch.float8_e4m3fn
 
 
-def _dev():
-    return torch.device("cuda", torch.cuda.current_device())
+def _cfg(rank, ws, **fields):
+    """The hip op at the model's shape, int64 ids, with the cast's ``fields``."""
+    from mori_jit.ops.ep import EpDispatchCombineConfig
+
+    return EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=BIG_H, max_num_inp_token_per_rank=BIG_M,
+                                   num_experts_per_rank=BIG_E // ws, num_experts_per_token=BIG_K,
+                                   kernel_backend="hip", index_dtype=torch.int64, **fields)
 
 
 def _ids(gen, dev):
@@ -30,13 +36,10 @@ def _ids(gen, dev):
 def _model_shape_job(rank, ws, quant, scale_bytes, low):
     """Identity experts at a model's shape, int64 ids, two calls: y is exactly the sum of the cast
     rows (golden_identity_sum), every element, so a NaN anywhere fails."""
-    from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
+    from mori_jit.ops.ep import EpDispatchCombineOp
 
     gen, epr_ = torch.Generator().manual_seed(31 + rank), BIG_E // ws
-    cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=BIG_H, max_num_inp_token_per_rank=BIG_M,
-                                  num_experts_per_rank=epr_, num_experts_per_token=BIG_K, kernel_backend="hip",
-                                  quant_type=quant, combine_scale_type_size=scale_bytes, combine_low_latency=low,
-                                  index_dtype=torch.int64)
+    cfg = _cfg(rank, ws, quant_type=quant, combine_scale_type_size=scale_bytes, combine_low_latency=low)
     with EpDispatchCombineOp(cfg) as op:
         for call in range(2):
             x = torch.randn(BIG_M, BIG_H, generator=gen).bfloat16().to(_dev())
@@ -51,7 +54,7 @@ def _model_shape_job(rank, ws, quant, scale_bytes, low):
         op.check()
 
 
-@pytest.mark.parametrize("low", [False, True], ids=["flags", "ll"])
+@pytest.mark.parametrize("low", PROTOCOLS, ids=["flags", "ll"])
 @pytest.mark.parametrize("quant, scale_bytes", WIRES)
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_hip_fp8_wire_at_a_models_shape(ws, quant, scale_bytes, low):
@@ -61,14 +64,11 @@ def test_hip_fp8_wire_at_a_models_shape(ws, quant, scale_bytes, low):
 def _cast_job(rank, ws, scale_bytes):
     """The dispatch's in-kernel block-128 cast, two calls: every received row and its scales byte for
     byte the golden cast (DeepGEMM's) of its source row; every rank knows every rank's input."""
-    from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
+    from mori_jit.ops.ep import EpDispatchCombineOp
     from mori_jit.testing.golden_moe import golden_quantize
 
-    cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=BIG_H, max_num_inp_token_per_rank=BIG_M,
-                                  num_experts_per_rank=BIG_E // ws, num_experts_per_token=BIG_K, kernel_backend="hip",
-                                  dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
-                                  combine_data_type=torch.bfloat16, scale_dim=BIG_H // 128,
-                                  scale_type_size=scale_bytes, index_dtype=torch.int64)
+    cfg = _cfg(rank, ws, dispatch_quant_type="fp8_e4m3_block128", dispatch_data_type=FP8,
+               combine_data_type=torch.bfloat16, scale_dim=BIG_H // 128, scale_type_size=scale_bytes)
     with EpDispatchCombineOp(cfg) as op:
         for call in range(2):
             xs = [torch.randn(BIG_M, BIG_H, generator=torch.Generator().manual_seed(1000 * call + r)).bfloat16()
