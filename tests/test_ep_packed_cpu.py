@@ -22,12 +22,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def golden_check_packed(lay, d, rank: int, E: int, A: int) -> None:
-    """Assert ``lay`` is the packed layout of dispatch outputs ``d`` (recomputed with Python loops)."""
+    """Assert ``lay`` is the packed layout of dispatch outputs ``d`` (recomputed with Python loops;
+    on the CPU, from either backend's tensors)."""
     cap, k = d.indices.shape
     total = int(d.total_recv)
+    indices, out, x = d.indices.tolist(), d.out.cpu(), lay.x.cpu()
     want = {e: [] for e in range(E)}
     for i, j in itertools.product(range(total), range(k)):
-        e = int(d.indices[i, j]) - rank * E
+        e = indices[i][j] - rank * E
         if 0 <= e < E:
             want[e].append((i, j))
     counts = [len(want[e]) for e in range(E)]
@@ -54,13 +56,14 @@ def golden_check_packed(lay, d, rank: int, E: int, A: int) -> None:
     assert lay.pair_at.dtype == torch.int32 and lay.pair_at.tolist() == pair_at
     used = torch.tensor([q is not None for q in pairs])
     src_row = torch.tensor([q[0] if q else 0 for q in pairs])
-    assert torch.equal(lay.x[used], d.out[src_row[used]]) and not lay.x[~used].any()
+    assert torch.equal(x[used], out[src_row[used]]) and not x[~used].any()
     if d.weights is not None:
-        w = torch.tensor([float(d.weights[q]) if q else 0.0 for q in pairs])
-        assert torch.equal(lay.weights, w)
+        weights = d.weights.cpu()
+        w = torch.tensor([float(weights[q]) if q else 0.0 for q in pairs])
+        assert torch.equal(lay.weights.cpu(), w)
     y = torch.randn(P, d.out.shape[1])
     y[~used] = float("nan")  # padding may hold anything: it never reaches a sum
-    back = train.unpack(lay, y, cap)
+    back = train.unpack(lay, y.to(lay.x.device), cap).cpu()
     want_back = torch.zeros(cap, d.out.shape[1])
     for p in range(P):
         if pairs[p] is not None:
@@ -98,20 +101,22 @@ def test_pack_refuses_bad_arguments():
         train.unpack(lay, torch.zeros(lay.row.shape[0], 8), 5)
 
 
-def _op(rank, ws, M, H, E, k, **kw):
+def _op(rank, ws, M, H, E, k, backend="torch", **kw):
     cfg = EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=H, max_num_inp_token_per_rank=M,
-                                  num_experts_per_rank=E, num_experts_per_token=k, kernel_backend="torch", **kw)
+                                  num_experts_per_rank=E, num_experts_per_token=k, kernel_backend=backend, **kw)
     return EpDispatchCombineOp(cfg)
 
 
-def _golden_job(rank, ws, seed):
+def _golden_job(rank, ws, seed, backend="torch"):
+    """Three calls (M tokens, none, 5) with int64 ids, each packed at another alignment: the golden check."""
     M, H, E, k = 12, 16, 3, 3
     g = torch.Generator().manual_seed(seed + rank)
-    with _op(rank, ws, M, H, E, k, data_type=torch.float32, index_dtype=torch.int64) as op:
-        h = train.register(op)
+    with _op(rank, ws, M, H, E, k, backend, data_type=torch.float32, index_dtype=torch.int64) as op:
+        h, on = train.register(op), op.device
         for n, A in ((M, 1), (0, 4), (5, 8)):
             ids = torch.randint(-1, ws * E, (n, k), generator=g)
-            d = train.dispatch(h, torch.randn(n, H, generator=g), torch.rand(n, k, generator=g), ids)
+            x, w = torch.randn(n, H, generator=g), torch.rand(n, k, generator=g)
+            d = train.dispatch(h, x.to(on), w.to(on), ids.to(on))
             golden_check_packed(train.pack(d, rank, E, A), d, rank, E, A)
 
 
@@ -120,7 +125,7 @@ def test_packed_layout_golden_through_the_op(ws):
     run_distributed(_golden_job, ws, random.SystemRandom().randrange(2 ** 31), timeout=200)
 
 
-def _grouped_mm_job(rank, ws, seed, M):
+def _grouped_mm_job(rank, ws, seed, M, backend="torch"):
     """Every rank routes M tokens; the packed layout through torch._grouped_mm (bf16), against the
     dense MoE of every rank's tokens in float64."""
     H, F, E, k, A = 16, 8, 4, 2, 8
@@ -131,16 +136,16 @@ def _grouped_mm_job(rank, ws, seed, M):
     xs = [torch.randn(M, H, generator=g, dtype=torch.float64) for _ in range(ws)]
     mine = slice(rank * E, (rank + 1) * E)
     bf = torch.bfloat16
-    with _op(rank, ws, M, H, E, k, data_type=bf) as op:
-        h = train.register(op)
+    with _op(rank, ws, M, H, E, k, backend, data_type=bf) as op:
+        h, on = train.register(op), op.device
         probs = torch.softmax(xs[rank] @ gate, -1)
         w, ids = probs.topk(k, -1)
         w = (w / w.sum(-1, keepdim=True)).float()
-        d = train.dispatch(h, xs[rank].to(bf), w, ids.int())
+        d = train.dispatch(h, xs[rank].to(device=on, dtype=bf), w.to(on), ids.int().to(on))
         lay = train.pack(d, rank, E, A)
-        v = torch.nn.functional.silu(torch._grouped_mm(lay.x, up[mine].to(bf), offs=lay.offsets).float())
-        yp = torch._grouped_mm(v.to(bf), down[mine].to(bf), offs=lay.offsets).float()
-        y = train.combine_packed(h, lay.mask(yp) * lay.weights[:, None], lay, d, dtype=bf)
+        v = torch.nn.functional.silu(torch._grouped_mm(lay.x, up[mine].to(on, bf), offs=lay.offsets).float())
+        yp = torch._grouped_mm(v.to(bf), down[mine].to(on, bf), offs=lay.offsets).float()
+        y = train.combine_packed(h, lay.mask(yp) * lay.weights[:, None], lay, d, dtype=bf).cpu()
     x = xs[rank].to(bf).double()
     want = torch.zeros(M, H, dtype=torch.float64)
     for j in range(k):

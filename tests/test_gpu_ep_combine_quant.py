@@ -39,13 +39,16 @@ def _dev():
 def _experts(res, rank, dtype):
     """Expert outputs that differ by rank and by source token (keyed by each row's source id, not its
     receive row: the hip backend's arrival order varies): each rank's float32 terms differ, so a sum
-    in another order than the kernels' would round differently."""
-    out = res.out
-    ids = res.routing.recv_src[:out.shape[0]]  # (the torch backend keeps only the received rows' ids)
-    src = torch.zeros(out.shape[0], device=out.device)
-    src[:ids.shape[0]] = ids.to(device=out.device, dtype=torch.float32)
-    src = torch.where(torch.arange(out.shape[0], device=out.device) < res.total_recv.to(out.device).long(), src, 0.0)
-    return (out.float() * (1.0 + 0.37 * rank) + torch.sin(src[:, None] * 0.731 + rank)).to(dtype)
+    in another order than the kernels' would round differently. Computed on the CPU for either
+    backend, so that both get the same bits (``sin`` on a GPU and on the CPU differ in the last bit,
+    and a float32 block scale carries that bit into every value of its block)."""
+    out = res.out.cpu()
+    ids = res.routing.recv_src[:out.shape[0]].cpu()  # (the torch backend keeps only the received rows' ids)
+    src = torch.zeros(out.shape[0])
+    src[:ids.shape[0]] = ids.to(torch.float32)
+    src = torch.where(torch.arange(out.shape[0]) < res.total_recv.cpu().long(), src, 0.0)
+    y = out.float() * (1.0 + 0.37 * rank) + torch.sin(src[:, None] * 0.731 + rank)
+    return y.to(dtype).to(res.out.device)
 
 
 def _golden_job(rank, ws, quant, scale_bytes, layout):
