@@ -200,16 +200,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_overlap: needs a GPU", file=sys.stderr)
         return 2
-    import pytest
-
-    from mori_jit.testing.gpu_world import run_ep_job
+    from mori_jit.testing.gpu_world import GpuWorldUnavailable, run_gpu_job
 
     results, skipped = [], {}
     for ws in args.world_sizes:
         part = f"{args.out}.ws{ws}.part"
         try:
-            run_ep_job(_job, ws, args, part, timeout=1200)
-        except pytest.skip.Exception as e:  # (ranks sharing a GPU without MPS)
+            run_gpu_job(_job, ws, args, part, timeout=1200)
+        except GpuWorldUnavailable as e:  # (ranks sharing a GPU without MPS)
             skipped[ws] = str(e)
             print(f"world size {ws} skipped: {e}", file=sys.stderr)
             continue

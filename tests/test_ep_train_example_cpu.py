@@ -42,3 +42,12 @@ def test_training_benchmark_runs_on_the_reference_backend(capsys, monkeypatch):
         assert mod.main([]) == 2 and "bench_ep_train: needs a GPU" in capsys.readouterr().err
     assert mod.main(["--backend", "torch", "--tokens", "8", "--hidden", "128", "--k", "2", "--experts", "2",
                      "--iters", "1", "--warmup", "1"]) == 0
+
+
+def test_the_example_on_hip_says_why_it_cannot_run_here(capsys, monkeypatch):
+    """--backend hip on a machine that cannot host the ranks: exit 2 and the reason, nothing started."""
+    import mori_jit.testing.gpu_world as gpu_world
+
+    monkeypatch.setattr(gpu_world, "gpu_count", lambda: 0)
+    assert _script().main(["--backend", "hip", "--ws", "2", "--steps", "3"]) == 2
+    assert "--backend hip --ws 2: needs a CUDA/ROCm GPU" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 ranks per GPU, on the IPC arena provider and gloo, under CUDA MPS.
 
 Ranks that share a GPU spin-wait on each other's kernels, so they must run concurrently: MPS does
-that (plain time slicing only makes them crawl into their timeouts). :func:`run_ep_job` starts an
+that (plain time slicing only makes them crawl into their timeouts). :func:`run_gpu_job` starts an
 MPS control daemon with private pipe and log folders when a job shares a GPU and none runs yet, and
 :func:`stop_mps` (called when the pytest run ends, and at exit) stops the daemon it started. After a
 failed shared-GPU job, :func:`wait_for_mps_clients` holds the next one until the MPS server, which
@@ -29,8 +29,8 @@ import torch
 from mori_jit.ops.ep import knobs
 from mori_jit.testing.distributed import run_distributed
 
-__all__ = ["WORLD_SIZES", "Placement", "placement", "gpu_count", "mps_unavailable", "run_ep_job", "stop_mps",
-           "wait_for_mps_clients"]
+__all__ = ["WORLD_SIZES", "Placement", "placement", "gpu_count", "mps_unavailable", "GpuWorldUnavailable",
+           "run_gpu_job", "run_ep_job", "stop_mps", "wait_for_mps_clients"]
 
 WORLD_SIZES = knobs.ep.test_world_sizes
 
@@ -192,18 +192,22 @@ def wait_for_mps_clients(timeout_s: float = MPS_RECOVERY_S, probe: Callable[[], 
     return True
 
 
-def run_ep_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks placed by :func:`placement`;
-    skips (pytest) when ranks must share a GPU and MPS is not available here."""
-    import pytest
+class GpuWorldUnavailable(RuntimeError):
+    """This machine cannot host the job's ranks (no GPU; ranks that must share a GPU and no MPS); the
+    message says why."""
 
+
+def run_gpu_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks placed by :func:`placement`
+    (several per GPU under an MPS daemon, started here when none runs). Raises
+    :class:`GpuWorldUnavailable` before starting anything when the machine cannot host them."""
     where = placement(world_size)
     if where.gpus == 0:
-        pytest.skip("needs a CUDA/ROCm GPU")
+        raise GpuWorldUnavailable("needs a CUDA/ROCm GPU")
     if where.ranks_per_gpu > 1:
         why = mps_unavailable()
         if why:
-            pytest.skip(f"{world_size} ranks on {where.gpus} GPU(s) need CUDA MPS: {why}")
+            raise GpuWorldUnavailable(f"{world_size} ranks on {where.gpus} GPU(s) need CUDA MPS: {why}")
         if torch.version.hip is None:
             _join_running_daemon() if _daemon_running() else _MPS.start()
     try:
@@ -214,3 +218,13 @@ def run_ep_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
         if where.ranks_per_gpu > 1 and torch.version.hip is None:
             wait_for_mps_clients()
         raise
+
+
+def run_ep_job(fn, world_size: int, *args, timeout: float = 600.0) -> None:
+    """:func:`run_gpu_job` for a pytest test: skips it where the machine cannot host the ranks."""
+    import pytest
+
+    try:
+        run_gpu_job(fn, world_size, *args, timeout=timeout)
+    except GpuWorldUnavailable as e:
+        pytest.skip(str(e))
