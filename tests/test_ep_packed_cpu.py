@@ -1,6 +1,6 @@
 """The packed expert-sorted layout (``mori_jit.ops.ep.train.packed``): golden checks (every pair once,
 in its expert's group, receive row then slot ascending; groups aligned; offsets, counts and the map back
-right; padding zero), from synthetic dispatch outputs and through the torch backend at 1 and 3 ranks;
+right; padding zero), from synthetic dispatch outputs and through the torch backend at 1, 3 and 8 ranks;
 ``torch._grouped_mm`` with its offsets equal to the dense MoE; prefill sizes (4096 tokens per rank)
 with no capacity error; its argument errors."""
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _golden_job(rank, ws, seed, backend="torch"):
             golden_check_packed(train.pack(d, rank, E, A), d, rank, E, A)
 
 
-@pytest.mark.parametrize("ws", [1, 3])
+@pytest.mark.parametrize("ws", [1, 3, 8])
 def test_packed_layout_golden_through_the_op(ws):
     run_distributed(_golden_job, ws, random.SystemRandom().randrange(2 ** 31), timeout=200)
 
