@@ -4,9 +4,10 @@ the same model trained densely on one process (``mori_jit.examples.moe_transform
     PYTHONPATH=. python3 scripts/train_moe_ep.py [--ws 2] [--steps 300] [--layout packed] [--tol 1e-4]
 
 The EP run uses ``--ws`` CPU processes on gloo with the torch backend (``--backend hip`` on GPUs: one
-rank per GPU on NCCL, or several per GPU under CUDA MPS on gloo, as the GPU tests place them). Prints both curves every ``--every`` steps and the largest gap; exits 1 when the
-gap exceeds ``--tol`` (absolute, in nats; the two runs differ only in the order of float32 sums: 300
-steps on 2 ranks, layout packed, stay within 5e-7 of each other, the loss falling from 4.19 to 1.75).
+rank per GPU on NCCL, or several per GPU under CUDA MPS on gloo, as the GPU tests place them).
+Prints both curves every ``--every`` steps and the largest gap; exits 1 when the gap exceeds
+``--tol`` (absolute, in nats; the two runs differ only in the order of float32 sums: 300 steps on 2
+ranks, layout packed, stay within 5e-7 of each other, the loss falling from 4.19 to 1.75).
 """
 from __future__ import annotations
 
