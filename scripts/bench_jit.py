@@ -169,7 +169,8 @@ def main() -> int:
 
     from mori_jit.examples.axpy_spec import AXPY, AxpyCfg, AxpyDType
     from mori_jit.jit import plan as plan_mod
-    from mori_jit.jit.plan import LaunchGroup, prepare
+    from mori_jit.jit.launch_group import LaunchGroup
+    from mori_jit.jit.plan import prepare
     from mori_jit.jit.toolchain import get_toolchain
 
     cache = tempfile.mkdtemp(prefix="mori_jit_bench_")

@@ -109,7 +109,8 @@ def test_launch_uses_the_current_stream():
 
 def test_launch_group_of_two_axpy_plans():
     from mori_jit.examples.axpy_spec import AXPY
-    from mori_jit.jit.plan import LaunchGroup, prepare
+    from mori_jit.jit.launch_group import LaunchGroup
+    from mori_jit.jit.plan import prepare
     p1 = prepare(AXPY, _cfg(torch.float32))
     p2 = prepare(AXPY, _cfg(torch.float32, vecElems=2, blockNum=17, blockSize=128))
     assert p1.function is not p2.function
@@ -134,7 +135,8 @@ def test_launch_group_of_two_axpy_plans():
 
 def test_graph_capture_and_replay_with_fresh_inputs():
     from mori_jit.examples.axpy_spec import AXPY
-    from mori_jit.jit.plan import LaunchGroup, prepare
+    from mori_jit.jit.launch_group import LaunchGroup
+    from mori_jit.jit.plan import prepare
     n = 300_007
     p1 = prepare(AXPY, _cfg(torch.float32))
     p2 = prepare(AXPY, _cfg(torch.float32, vecElems=2, blockNum=17, blockSize=128))

@@ -16,7 +16,8 @@ import pytest
 from mori_jit.examples.axpy_spec import AXPY, AxpyCfg, AxpyDType, AxpySpec
 from mori_jit.jit.args import ArgField, ArgsSchema, f32, i32, i64, ptr, u32, u64
 from mori_jit.jit.packing import ArgsPacker, layout_difference
-from mori_jit.jit.plan import LaunchGroup, Plan
+from mori_jit.jit.launch_group import LaunchGroup
+from mori_jit.jit.plan import Plan
 from mori_jit.jit.runtime import Runtime, get_runtime
 from mori_jit.jit.runtime.base import as_dim3
 

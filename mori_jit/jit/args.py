@@ -7,7 +7,7 @@ An :class:`ArgsSchema` is the single declaration of a kernel's by-value argument
   fields in either place fails the device build instead of reading the wrong buffer;
 * :attr:`ArgsSchema.ctype` — the ``ctypes.Structure`` the launch path packs;
 * :attr:`ArgsSchema.layout` — the full ``(name, offset, size)`` sequence, which is what
-  :class:`~mori_jit.jit.plan.LaunchGroup` compares.
+  :class:`~mori_jit.jit.launch_group.LaunchGroup` compares.
 """
 from __future__ import annotations
 

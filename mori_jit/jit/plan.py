@@ -10,7 +10,8 @@ Two separate steps (docs/design.md §5):
 * :meth:`Plan.launch` — pack the args struct and enqueue the kernel on torch's current stream.
   Never compiles, never loads, never synchronizes: safe inside CUDA/HIP graph capture.
 
-A :class:`LaunchGroup` launches several plans that share one args layout with a single packing.
+A :class:`~mori_jit.jit.launch_group.LaunchGroup` launches several plans that share one args layout
+with a single packing.
 
 The args struct is packed by :mod:`mori_jit.jit.packing` (one ``struct.pack_into`` per launch).
 
@@ -39,17 +40,17 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from .args import ArgsSchema
 from .compile import build
-from .packing import ArgsPacker, check_struct_type, layout_difference
+from .packing import ArgsPacker, check_struct_type
 from .runtime import Runtime, get_runtime, no_device_error
 from .runtime.base import as_dim3, torch_current_device
 from .spec import Geometry, Spec
 from .toolchain import Toolchain, get_toolchain
 
-__all__ = ["Plan", "LaunchGroup", "CaptureError", "prepare", "forget_plans"]
+__all__ = ["Plan", "CaptureError", "prepare", "forget_plans", "bind_launch_buffers"]
 
 
 class CaptureError(RuntimeError):
@@ -60,7 +61,7 @@ class CaptureError(RuntimeError):
 # plans
 # --------------------------------------------------------------------------------------------------
 
-def _bind_launch_buffers(obj: Any) -> None:
+def bind_launch_buffers(obj: Any) -> None:
     """Give ``obj`` (a Plan or LaunchGroup with ``_ctype``) its reusable args struct and the
     ``void*[1]`` kernel-params arrays: one pointing at that struct, one filled per call with a
     caller's struct (``launch_struct``)."""
@@ -99,7 +100,7 @@ class Plan:
         self._ctype = spec.args.ctype
         self._packer = ArgsPacker.for_schema(spec.args)
         self._pack = self._packer.pack
-        _bind_launch_buffers(self)
+        bind_launch_buffers(self)
         g = self.geometry
         self.grid, self.block, self.shared_bytes = as_dim3(g.grid), as_dim3(g.block), int(g.shared_bytes)
         self._launch = runtime.launcher(function, self.grid, self.block, self.shared_bytes, self.device)
@@ -243,72 +244,3 @@ def forget_plans() -> None:
     """Drop the in-process plan memo (loaded modules stay loaded). For tests and benchmarks."""
     with _prepare_lock:
         _PLANS.clear()
-
-
-# --------------------------------------------------------------------------------------------------
-# groups
-# --------------------------------------------------------------------------------------------------
-
-class LaunchGroup:
-    """Several plans sharing one args layout, launched in order with a single packing.
-
-    Construction raises ``ValueError`` if the plans' ``layout`` (the full ``(name, offset, size)``
-    sequence) differ — naming the first difference — or if they live on different devices or
-    runtimes, or if there are none. Geometry and function handles are bound up front.
-    """
-
-    def __init__(self, plans: Iterable[Plan]):
-        self.plans: tuple[Plan, ...] = tuple(plans)
-        if not self.plans:
-            raise ValueError("LaunchGroup needs at least one plan")
-        first = self.plans[0]
-        for i, p in enumerate(self.plans[1:], 1):
-            diff = layout_difference(first.layout, p.layout, first.schema.size, p.schema.size)
-            if diff:
-                raise ValueError(f"LaunchGroup: plan {i} ({p.name}, {p.schema.name}) has a different args layout "
-                                 f"than plan 0 ({first.name}, {first.schema.name}): {diff}")
-            if p.device != first.device:
-                raise ValueError(f"LaunchGroup: plan {i} ({p.name}) is on device {p.device}, plan 0 on {first.device}")
-            if p.runtime is not first.runtime:
-                raise ValueError(f"LaunchGroup: plan {i} ({p.name}) uses another runtime than plan 0")
-        self.layout = first.layout
-        self.schema = first.schema
-        self.device = first.device
-        self._ctype = first._ctype
-        self._packer = first._packer
-        self._pack = self._packer.pack
-        _bind_launch_buffers(self)
-        self._launchers = tuple(p._launch for p in self.plans)
-        self._stream = first._stream
-
-    def __len__(self) -> int:
-        return len(self.plans)
-
-    def __repr__(self) -> str:
-        return f"<LaunchGroup {[p.name for p in self.plans]} device={self.device}>"
-
-    def args(self, **fields: Any) -> Any:
-        """A new reusable args struct of the shared layout (see :meth:`Plan.args`)."""
-        return self._packer.struct(fields if fields else None)
-
-    def launch(self, *struct: Any, **fields: Any) -> None:
-        """Pack once, then launch every plan in order on the current stream (or launch a struct)."""
-        if struct:
-            if len(struct) != 1 or fields:
-                raise TypeError("LaunchGroup.launch() takes one args struct or keyword fields, not both")
-            return self.launch_struct(struct[0])
-        self._pack(self._buf, fields)
-        stream = self._stream()
-        kp = self._kp_addr
-        for launch in self._launchers:
-            launch(stream, kp)
-
-    def launch_struct(self, struct: Any) -> None:
-        """Launch every plan with one already packed struct."""
-        if type(struct) is not self._ctype:
-            check_struct_type(struct, self.layout, self.schema.size, "LaunchGroup")
-        self._kp_user[0] = ctypes.addressof(struct)
-        stream = self._stream()
-        kp = self._kp_user_addr
-        for launch in self._launchers:
-            launch(stream, kp)
