@@ -14,11 +14,7 @@ import torch
 from mori_jit.ops.ep import EpArgumentError, EpDispatchCombineConfig, EpDispatchCombineOp, train
 from mori_jit.ops.ep.train.packed import rows_bound
 from mori_jit.testing.distributed import run_distributed
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``|a - b| / |b|`` (Frobenius norms, float64)."""
-    return float((a.double() - b.double()).norm() / b.double().norm())
+from mori_jit.testing.moe_grads import rel_err
 
 
 def golden_check_packed(lay, d, rank: int, E: int, A: int) -> None:

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from mori_jit.testing.gpu_world import WORLD_SIZES, run_ep_job
+from mori_jit.testing.moe_grads import rel_err
 from test_ep_combine_quant_cpu import WIRES
+from test_gpu_ep_combine_quant import _dev
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
@@ -39,15 +41,11 @@ def _block(ws, seed, dev):
     return block.to(dev).eval()
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def hf_block_job(rank, ws, seed, backend="hip"):
     """Every wire on the same tokens and routing; asserts each one's error against the dense block."""
     from mori_jit.ops.ep import EpDispatchCombineConfig, EpDispatchCombineOp
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "hip" else torch.device("cpu")
+    dev = _dev() if backend == "hip" else torch.device("cpu")
     block, bf = _block(ws, seed, dev), _block(ws, seed, dev).to(torch.bfloat16)
     n = 0 if rank == ws - 1 and ws > 1 else M - 7 * rank
     x = torch.randn(n, H, generator=torch.Generator().manual_seed(seed + 1 + rank)).to(dev)
@@ -74,7 +72,7 @@ def hf_block_job(rank, ws, seed, backend="hip"):
         assert y.shape == (n, H) and not bool(y.isnan().any()), \
             (f"{quant}/{scale_bytes} rank {rank} of {ws}: {int(y.isnan().sum())} NaN in y; received {got} rows, "
              f"{int(res.out[:got].isnan().sum())} NaN in them, {int(expert_out.isnan().sum())} in the expert outputs")
-        errs[(quant, scale_bytes)] = _rel(y[:n].cpu(), want.cpu()) if n else 0.0
+        errs[(quant, scale_bytes)] = rel_err(y[:n].cpu(), want.cpu()) if n else 0.0
     if n:
         print(f"rank {rank} of {ws}: relative L2 error against the dense block: {errs}")
         base = errs[("none", 4)]
