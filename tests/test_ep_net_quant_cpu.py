@@ -161,20 +161,21 @@ def test_real_nvcc_builds_the_split_halves_of_an_fp8_wire_combine(family):
         assert elf_symbols(build(spec, c, tc).read_binary()).get(spec.entry_name(c)) == STT_FUNC
 
 
-#: sm_90a's packed conversion of two float32 values to e4m3 (plat::e4m3x2_from_f32): never in the
-#: wire's cast, where it put NaN bytes at hidden 7168 (kernels/ep/ep_combine_wire.hpp: CastWords)
-_CVT = r"cvt\.rn\.satfinite\.e4m3x2\.f32"
+#: sm_90a's packed conversions: two float32 values to e4m3 (the cast, plat::e4m3x4_from_f32) and
+#: two e4m3 bytes to f16 (the decode, plat::f32x4_from_e4m3x4)
+_CAST = r"cvt\.rn\.satfinite\.e4m3x2\.f32"
+_DECODE = r"cvt\.rn\.f16x2\.e4m3x2"
 #: the software conversion's mark (Fp8E4m3FromF32): the denormal trick adds 2^14 as a float
 _SOFT = r"add\.f32\s+%f\d+, %f\d+, 0f46800000;"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_fp8_wire_combine_casts_with_the_software_conversion(family, tmp_path):
-    """nvcc's PTX: the wire's combine kernel casts with Fp8E4m3FromF32, not the packed hardware
-    conversion; the plain one casts with neither."""
+def test_the_fp8_wire_combine_uses_the_packed_hardware_conversions(family, tmp_path):
+    """nvcc's PTX for sm_90a: the wire's combine kernel casts and decodes with the packed hardware
+    conversions, never the software one; the plain combine has none of them."""
     tc = _nvcc_with_nvshmem()
     spec = net_spec(family, COMBINE)
     wired = _ptx(tc, spec, net_variants(_cfg(family, "fp8_direct_cast"), "sm_90a", 132).combine[0], tmp_path)
     plain = _ptx(tc, spec, net_variants(_cfg(family), "sm_90a", 132).combine[0], tmp_path)
-    assert re.search(_SOFT, wired) and not re.search(_CVT, wired)
-    assert not re.search(_SOFT, plain) and not re.search(_CVT, plain)
+    assert re.search(_CAST, wired) and re.search(_DECODE, wired) and not re.search(_SOFT, wired)
+    assert not any(re.search(p, plain) for p in (_CAST, _DECODE, _SOFT))

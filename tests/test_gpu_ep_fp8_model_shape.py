@@ -1,9 +1,9 @@
 """The fp8 casts at a model's shape (hidden 7168, top-8 of 256 experts, 128 tokens per rank, int64
 ids), at every world size of ``MORI_EP_TEST_WORLD_SIZES``: the combine wire's cast and the dispatch's
 block-128 cast, each byte for byte against its golden. A row is 56 scale blocks there and the kernels
-keep several vectors per lane in flight, where the packed hardware e4m3 conversion put NaN bytes into
-the combine wire's cast (kernels/ep/ep_combine_wire.hpp: CastWords); the other GPU checks run hidden
-256, which does not show it."""
+keep several vectors per lane in flight, where a pair form of the hardware e4m3 conversion (a 16-bit
+result per instruction) put NaN bytes into the combine wire's cast (kernels/platform/nvidia.hpp:
+e4m3x4_from_f32); the other GPU checks run hidden 256, which does not show it."""
 from __future__ import annotations
 
 import pytest

@@ -104,9 +104,10 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   const int first = claims ? claimed[0] : int(blockIdx.x);
   if (first >= numRanges) finish(0);  // (a block with no range to sum ends here)
   for (int i = 0, r = first; r < numRanges; ++i) {
-    if (int(threadIdx.x) == claimer) claimed[(i + 1) & 1] = claims ? int(plat::atomic_add_device(next, 1u)) : r + grid;
+    if (!kSolo<kCfg> && int(threadIdx.x) == claimer)
+      claimed[(i + 1) & 1] = claims ? int(plat::atomic_add_device(next, 1u)) : r + grid;
     SumRange<kCfg, T>(args, target, sumWeights, r, &claimed[(i + 1) & 1], numRanges, finish);
-    r = claimed[(i + 1) & 1];
+    r = kSolo<kCfg> ? r + grid : claimed[(i + 1) & 1];  // (one rank: no barrier publishes claimed)
   }
 }
 

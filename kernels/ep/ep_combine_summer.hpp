@@ -70,10 +70,16 @@ MORI_DEVICE void AwaitRest(const EpArgs& args, uint64_t target, const Src& src, 
   }
 }
 
+// One rank (kWs 1) has no flags to wait for and no claims (its blocks take ranges by the grid's
+// stride), so its summer has no barrier: each wave goes on to its next range once its stores are
+// issued, and one wave's loads overlap another's stores.
+template <EpCfg kCfg>
+constexpr bool kSolo = kCfg.worldSize == 1;
+
 // Sum range b of this rank's tokens: wait for every peer's flag of the range, then sum each token's
 // rows (ItemSources) in fp32. One work item is one chunk of one token's row; the items go round the
-// block's waves in block-uniform rounds. `*nextRange` (shared, set before the call) is the block's
-// next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
+// block's waves in block-uniform rounds. `*nextRange` (shared, set before the call; one rank: b +
+// the grid, kSolo) is the block's next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
 // loads and its stores, so that neither the block's count nor the combine-done release waits for
 // those stores (nothing needs them before the kernel's end). `seen`: when the flags were seen.
 // Low latency (kLow): no flags. Each wave waits for its own item's rows: it loads the chunk with
@@ -101,7 +107,9 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   Src src(args, sumWeights, wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1,
           t0 + wave / kChunks, (wave % kChunks) * kChunkVecs + lane);
   uint64_t seen = 0;
-  if constexpr (!kLow) {
+  if constexpr (kSolo<kCfg>) {
+    seen = plat::now_ns();
+  } else if constexpr (!kLow) {
     // One poller per peer and block (a poller per wave measured slower: the polls load the memory
     // system the senders use).
     if (threadIdx.x < kWs && threadIdx.x != rank && !Masked(args, threadIdx.x)) {
@@ -118,7 +126,8 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   } else {
     __syncthreads();  // publishes *nextRange (the claimer's store before this call)
   }
-  const bool closing = *nextRange >= numRanges;  // block-uniform (the barrier above published it)
+  // block-uniform (the barrier above published it; one rank's blocks go by the grid's stride)
+  const bool closing = (kSolo<kCfg> ? b + int(gridDim.x) : *nextRange) >= numRanges;
   const int rounds = (numItems + kWaves - 1) / kWaves;
   for (int round = 0; round < rounds; ++round) {
     const int item = round * kWaves + wave, t = t0 + item / kChunks, chunk = item % kChunks, next = item + kWaves;
@@ -147,7 +156,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
 #pragma unroll
       for (int s = 0; s < kWs; s += 2) {  // (static indices into src: registers, not the stack)
         if (s >= numSrc) break;
-        const int pair = s + 1 < numSrc ? 2 : 1;
+        const int pair = s + 1 < kWs && s + 1 < numSrc ? 2 : 1;  // (kWs: a second source only where one can be)
         Buf buf[2][kUnroll];
         bool shortRow[2] = {false, false};
         if constexpr (W::kQuant)

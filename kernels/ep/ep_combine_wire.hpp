@@ -6,7 +6,8 @@
 //              scale travels as one 32-bit word per block (float32 bits, or the UE8M0 byte);
 // a NaN becomes 0x7f, so no wire byte is 0xff and no data word is a low-latency signal word
 // (CombWord). The home rank decodes each byte to float32 (Fp8Block: times the block's scale, one
-// rounding) and adds it to its float32 sums. The cast and decode need only the platform header,
+// rounding) and adds it to its float32 sums. Cast and decode use the packed hardware conversions
+// where the arch has them (sm_89+), FromE4m3 / Fp8E4m3FromF32 elsewhere: the same values. The cast and decode need only the platform header,
 // so a host build checks them against torch (tests/test_ep_combine_wire_cpu.py).
 #pragma once
 #include <cstdint>
@@ -51,22 +52,24 @@ MORI_DEVICE float AbsMaxVec(const plat::vec16_t& x) {
   return m;
 }
 
-// The wire words of a 16-byte vector times inv (1 for the direct cast: exact). The conversion is
-// Fp8E4m3FromF32's, in software, on every arch: the packed hardware conversion (cvt.rn.satfinite
-// .e4m3x2.f32, sm_89+) put NaN bytes into some elements of this cast on sm_90a (nvcc 13.0) once
-// the summer keeps two or more vectors per lane in flight (hidden 7168: hundreds per call, the
-// count varying from call to call), where the software conversion puts none (docs/performance.md,
-// "Combine wire"; tests/test_gpu_ep_fp8_model_shape.py runs hidden 7168).
+// The wire words of a 16-byte vector times inv (1 for the direct cast: exact), by the packed
+// hardware conversion where the arch has one (plat::e4m3x4_from_f32: it rounds and saturates as
+// Fp8E4m3FromF32 does on every value), else by Fp8E4m3FromF32.
 template <int kElem>
 MORI_DEVICE void CastWords(const plat::vec16_t& x, float inv, uint32_t (&out)[16 / kElem / 4]) {
   uint32_t in[4];
   __builtin_memcpy(in, &x, 16);
 #pragma unroll
   for (int w = 0; w < 16 / kElem / 4; ++w) {
+#if defined(MORI_HAS_FP8_CVT)
+    out[w] = CanonNanBytes(plat::e4m3x4_from_f32(ElemOf<kElem>(in, 4 * w) * inv, ElemOf<kElem>(in, 4 * w + 1) * inv,
+                                                 ElemOf<kElem>(in, 4 * w + 2) * inv, ElemOf<kElem>(in, 4 * w + 3) * inv));
+#else
     uint32_t packed = 0;
 #pragma unroll
     for (int b = 0; b < 4; ++b) packed |= uint32_t(Fp8E4m3FromF32(ElemOf<kElem>(in, 4 * w + b) * inv)) << (8 * b);
     out[w] = CanonNanBytes(packed);
+#endif
   }
 }
 
@@ -82,16 +85,27 @@ struct WireVec {
 };
 
 // acc[e] += the decoded value of element e (kBlock: times sf, rounded once: no fused multiply-add).
+// Both decodes are exact; they differ only in a NaN's payload, and a NaN sum stays NaN either way.
 template <bool kBlock, int kWords>
 MORI_DEVICE void AddDecoded(const WireVec<kWords>& c, float sf, float (&acc)[4 * kWords]) {
 #if defined(__HIP__)
 #pragma clang fp contract(off)  // (hipcc contracts by default; __fmul_rn alone does not stop it there)
 #endif
+#if defined(MORI_HAS_FP8_CVT)
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) {
+    float v[4];
+    plat::f32x4_from_e4m3x4(c.w[w], v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[4 * w + e] += kBlock ? __fmul_rn(v[e], sf) : v[e];
+  }
+#else
 #pragma unroll
   for (int e = 0; e < 4 * kWords; ++e) {
     const float v = FromE4m3((c.w[e / 4] >> (8 * (e % 4))) & 0xFFu);
     acc[e] += kBlock ? __fmul_rn(v, sf) : v;
   }
+#endif
 }
 
 }  // namespace mori::ep

@@ -76,9 +76,8 @@ MORI_DEVICE plat::vec16_t QuantizeVec(const plat::vec16_t& lo, const plat::vec16
 #ifdef MORI_HAS_FP8_CVT
     // word w holds elements 4w .. 4w+3: the low and high halves of input words 2w and 2w + 1
     const uint32_t a = in[2 * w], b = in[2 * w + 1];
-    const uint32_t q01 = plat::e4m3x2_from_f32(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xFFFF0000u) * inv);
-    const uint32_t q23 = plat::e4m3x2_from_f32(__uint_as_float(b << 16) * inv, __uint_as_float(b & 0xFFFF0000u) * inv);
-    out[w] = q01 | (q23 << 16);
+    out[w] = plat::e4m3x4_from_f32(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xFFFF0000u) * inv,
+                                   __uint_as_float(b << 16) * inv, __uint_as_float(b & 0xFFFF0000u) * inv);
 #else
     uint32_t packed = 0;
 #pragma unroll

@@ -22,15 +22,35 @@ MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<long long>(m
 
 MORI_DEVICE int popcount(uint64_t m) { return __popcll(m); }
 
-// e4m3fn bytes of (lo, hi), lo in the low byte, in one instruction where the arch has it (sm_89+):
-// round to nearest even, finite values past 448 saturate to 448, NaN stays NaN. Callers fall back
-// to a software conversion without MORI_HAS_FP8_CVT.
+// e4m3fn bytes of (a, b, c, d), a in the low byte, in two instructions where the arch has them
+// (sm_89+): round to nearest even, finite values past 448 saturate to 448, NaN stays NaN. The two
+// 16-bit halves never leave the asm block: with one 16-bit ("=h") output per pair, nvcc 13.0 put
+// NaN bytes into some elements of the combine wire's cast on sm_90a once the summer held two or
+// more vectors per lane (tests/test_gpu_ep_fp8_model_shape.py). Callers fall back to a software
+// conversion without MORI_HAS_FP8_CVT.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define MORI_HAS_FP8_CVT 1
-MORI_DEVICE uint16_t e4m3x2_from_f32(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+MORI_DEVICE uint32_t e4m3x4_from_f32(float a, float b, float c, float d) {
+  uint32_t r;
+  asm("{\n\t.reg .b16 lo, hi;\n\t"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"  // (the second operand goes to the low byte)
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+      "mov.b32 %0, {lo, hi};\n\t}"
+      : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
   return r;
+}
+// The float32 values of the four e4m3fn bytes of w (byte 0 first), exactly: each pair through the
+// packed conversion to f16 (every e4m3fn value is an f16 value), then to float32; a NaN byte
+// (0x7f, 0xff) becomes a NaN.
+MORI_DEVICE void f32x4_from_e4m3x4(uint32_t w, float (&f)[4]) {
+  asm("{\n\t.reg .b16 q0, q1, h0, h1, h2, h3;\n\t.reg .b32 p0, p1;\n\t"
+      "mov.b32 {q0, q1}, %4;\n\t"
+      "cvt.rn.f16x2.e4m3x2 p0, q0;\n\t"
+      "cvt.rn.f16x2.e4m3x2 p1, q1;\n\t"
+      "mov.b32 {h0, h1}, p0;\n\t"
+      "mov.b32 {h2, h3}, p1;\n\t"
+      "cvt.f32.f16 %0, h0;\n\tcvt.f32.f16 %1, h1;\n\tcvt.f32.f16 %2, h2;\n\tcvt.f32.f16 %3, h3;\n\t}"
+      : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3]) : "r"(w));
 }
 #endif
 
