@@ -173,6 +173,12 @@ def _cco_job(rank, ws):
     assert groups.v1_group() is mine and (shmem.shmem_mype(), shmem.shmem_npes()) == (rank % 2, 2)
     with pytest.raises(EpArgumentError, match="group_name='nowhere': no process group is registered"):
         shmem.shmem_torch_process_group_init("nowhere")
+    # the name is kept, not the group: once torch forgets the name (destroy_process_group unregisters
+    # every group), nothing here holds the group past its end
+    torch._C._distributed_c10d._unregister_process_group(f"ep{rank // 2}")
+    assert groups.registered() is None and groups.v1_group() is dist.group.WORLD
+    torch._C._distributed_c10d._register_process_group(f"ep{rank // 2}", mine)
+    assert groups.v1_group() is mine
     shmem.shmem_finalize()
     assert groups.v1_group() is dist.group.WORLD
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from mori_jit.ops.ep import EpArgumentError, EpStateError
 
 __all__ = ["register", "registered", "v1_group", "resolve"]
 
-_REGISTERED: list = []  # the group mori.shmem registered (at most one)
+# The name mori.shmem registered its group under (at most one). The name, not the group: a group
+# held here would outlive dist.destroy_process_group and be freed at interpreter exit, where freeing
+# a process group can abort the process (std::terminate) after its work is done.
+_REGISTERED: list[str] = []
 
 
 def _require_dist(what: str) -> None:
@@ -24,14 +28,21 @@ def _require_dist(what: str) -> None:
                            f"group (dist.init_process_group first)")
 
 
-def register(group) -> None:
-    """Make ``group`` the one mori's v1 op runs on (None: forget it)."""
-    _REGISTERED[:] = [group] if group is not None else []
+def register(group_name: Optional[str]) -> None:
+    """Make the group torch has registered under ``group_name`` the one mori's v1 op runs on
+    (None: forget it)."""
+    _REGISTERED[:] = [group_name] if group_name is not None else []
 
 
 def registered():
-    """The group :func:`register` set, or None."""
-    return _REGISTERED[0] if _REGISTERED else None
+    """The group :func:`register` named, as torch resolves the name now; None when none is named or
+    torch no longer knows the name (``dist.destroy_process_group`` unregisters every group)."""
+    if not _REGISTERED:
+        return None
+    try:
+        return torch._C._distributed_c10d._resolve_process_group(_REGISTERED[0])
+    except (RuntimeError, ValueError):
+        return None
 
 
 def v1_group():

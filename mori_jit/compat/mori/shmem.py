@@ -21,11 +21,11 @@ def shmem_torch_process_group_init(group_name: str) -> int:
     """Make the process group registered under ``group_name`` the one mori's v1 ops run on.
     Returns 0 (mori's success status)."""
     try:
-        group = torch._C._distributed_c10d._resolve_process_group(group_name)
+        torch._C._distributed_c10d._resolve_process_group(group_name)
     except (RuntimeError, ValueError) as e:
         raise EpArgumentError(f"group_name={group_name!r}: no process group is registered under that name "
                               f"(torch._C._distributed_c10d._register_process_group(name, group) first): {e}") from None
-    groups.register(group)
+    groups.register(group_name)
     return 0
 
 
