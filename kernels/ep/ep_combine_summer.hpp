@@ -79,9 +79,10 @@ constexpr bool kSolo = kCfg.worldSize == 1;
 // Sum range b of this rank's tokens: wait for every peer's flag of the range, then sum each token's
 // rows (ItemSources) in fp32. One work item is one chunk of one token's row; the items go round the
 // block's waves in block-uniform rounds. `*nextRange` (shared, set before the call; one rank: b +
-// the grid, kSolo) is the block's next range: when there is none, `finish(seen)` (the block's end) runs between the last round's
-// loads and its stores, so that neither the block's count nor the combine-done release waits for
-// those stores (nothing needs them before the kernel's end). `seen`: when the flags were seen.
+// the grid, kSolo) is the block's next range: when there is none, `finish(seen)` (the block's end)
+// runs between the last round's loads and its stores, so that neither the block's count nor the
+// combine-done release waits for those stores (nothing needs them before the kernel's end).
+// `seen`: when the flags were seen.
 // Low latency (kLow): no flags. Each wave waits for its own item's rows: it loads the chunk with
 // strong loads and reloads any vector still holding an empty word (AwaitRest), sums, and sets the
 // words it read back to kEmptyWord for the next combine (before its block's count); `seen` is then

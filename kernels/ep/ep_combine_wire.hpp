@@ -7,8 +7,9 @@
 // a NaN becomes 0x7f, so no wire byte is 0xff and no data word is a low-latency signal word
 // (CombWord). The home rank decodes each byte to float32 (Fp8Block: times the block's scale, one
 // rounding) and adds it to its float32 sums. Cast and decode use the packed hardware conversions
-// where the arch has them (sm_89+), FromE4m3 / Fp8E4m3FromF32 elsewhere: the same values. The cast and decode need only the platform header,
-// so a host build checks them against torch (tests/test_ep_combine_wire_cpu.py).
+// where the arch has them (sm_89+), Fp8E4m3FromF32 / FromE4m3 elsewhere: the same values. The
+// software pair needs only the platform header, so a host build checks it against torch
+// (tests/test_ep_combine_wire_cpu.py); the GPU suite checks the hardware pair byte for byte.
 #pragma once
 #include <cstdint>
 
@@ -62,8 +63,9 @@ MORI_DEVICE void CastWords(const plat::vec16_t& x, float inv, uint32_t (&out)[16
 #pragma unroll
   for (int w = 0; w < 16 / kElem / 4; ++w) {
 #if defined(MORI_HAS_FP8_CVT)
-    out[w] = CanonNanBytes(plat::e4m3x4_from_f32(ElemOf<kElem>(in, 4 * w) * inv, ElemOf<kElem>(in, 4 * w + 1) * inv,
-                                                 ElemOf<kElem>(in, 4 * w + 2) * inv, ElemOf<kElem>(in, 4 * w + 3) * inv));
+    const float a = ElemOf<kElem>(in, 4 * w) * inv, b = ElemOf<kElem>(in, 4 * w + 1) * inv;
+    out[w] = CanonNanBytes(plat::e4m3x4_from_f32(a, b, ElemOf<kElem>(in, 4 * w + 2) * inv,
+                                                 ElemOf<kElem>(in, 4 * w + 3) * inv));
 #else
     uint32_t packed = 0;
 #pragma unroll
