@@ -178,6 +178,12 @@ def golden_check(
     device = x.device
     if n > M:
         _fail(rank, f"n = {n} > max_tokens_per_rank = {M}")
+    # The dispatch's outputs are views of the op's receive buffers, valid until any rank's next
+    # dispatch: a peer that finishes this check first may dispatch again and overwrite them while
+    # this rank still reads them. Copies made before the first gather are safe: no peer gets past
+    # it before this rank's copies are done (the gather follows them on this rank's stream).
+    out, out_weights, out_indices, out_scales, total_recv, recv_src = (
+        None if t is None else t.clone() for t in (out, out_weights, out_indices, out_scales, total_recv, recv_src))
 
     # ---- gather every rank's inputs (all collectives first) -------------------------------------
     n_t = torch.tensor([n], dtype=torch.int64, device=device)
