@@ -53,26 +53,15 @@ MORI_DEVICE float AbsMaxVec(const plat::vec16_t& x) {
   return m;
 }
 
-// The wire words of a 16-byte vector times inv (1 for the direct cast: exact), by the packed
-// hardware conversion where the arch has one (plat::e4m3x4_from_f32: it rounds and saturates as
-// Fp8E4m3FromF32 does on every value), else by Fp8E4m3FromF32.
+// The wire words of a 16-byte vector times inv (1 for the direct cast: exact), by E4m3Word.
 template <int kElem>
 MORI_DEVICE void CastWords(const plat::vec16_t& x, float inv, uint32_t (&out)[16 / kElem / 4]) {
   uint32_t in[4];
   __builtin_memcpy(in, &x, 16);
 #pragma unroll
-  for (int w = 0; w < 16 / kElem / 4; ++w) {
-#if defined(MORI_HAS_FP8_CVT)
-    const float a = ElemOf<kElem>(in, 4 * w) * inv, b = ElemOf<kElem>(in, 4 * w + 1) * inv;
-    out[w] = CanonNanBytes(plat::e4m3x4_from_f32(a, b, ElemOf<kElem>(in, 4 * w + 2) * inv,
-                                                 ElemOf<kElem>(in, 4 * w + 3) * inv));
-#else
-    uint32_t packed = 0;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) packed |= uint32_t(Fp8E4m3FromF32(ElemOf<kElem>(in, 4 * w + b) * inv)) << (8 * b);
-    out[w] = CanonNanBytes(packed);
-#endif
-  }
+  for (int w = 0; w < 16 / kElem / 4; ++w)
+    out[w] = CanonNanBytes(E4m3Word(ElemOf<kElem>(in, 4 * w) * inv, ElemOf<kElem>(in, 4 * w + 1) * inv,
+                                    ElemOf<kElem>(in, 4 * w + 2) * inv, ElemOf<kElem>(in, 4 * w + 3) * inv));
 }
 
 // The float32 value of a scale word: float32 bits, or (kScaleBytes 1) the UE8M0 byte's 2^(byte - 127).

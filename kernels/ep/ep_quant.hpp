@@ -63,6 +63,18 @@ MORI_DEVICE float LanesMax(float v) {
 // The max of v over this lane's block (kQuantLanes aligned lanes); every lane of the wave calls it.
 MORI_DEVICE float BlockMax(float v) { return LanesMax<kQuantLanes>(v); }
 
+// The e4m3fn bytes of (a, b, c, d), a in the low byte: by the packed hardware conversion where the
+// platform has one (plat::e4m3x4_from_f32), else by Fp8E4m3FromF32. Both round to nearest even and
+// saturate finite values and infinities at +-448; a NaN stays a NaN.
+MORI_DEVICE uint32_t E4m3Word(float a, float b, float c, float d) {
+#ifdef MORI_HAS_FP8_CVT
+  return plat::e4m3x4_from_f32(a, b, c, d);
+#else
+  return uint32_t(Fp8E4m3FromF32(a)) | uint32_t(Fp8E4m3FromF32(b)) << 8 | uint32_t(Fp8E4m3FromF32(c)) << 16 |
+         uint32_t(Fp8E4m3FromF32(d)) << 24;
+#endif
+}
+
 // 16 bf16 values (lo, hi: 8 each) -> 16 e4m3 bytes, times inv. The hardware conversion (where the
 // platform has one) and Fp8E4m3FromF32 agree on every value a block cast produces: both round to
 // nearest even, and |x * inv| is at most a few float32 ulps above 448 (sf is amax / 448 up to
@@ -73,21 +85,10 @@ MORI_DEVICE plat::vec16_t QuantizeVec(const plat::vec16_t& lo, const plat::vec16
   __builtin_memcpy(in + 4, &hi, 16);
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-#ifdef MORI_HAS_FP8_CVT
     // word w holds elements 4w .. 4w+3: the low and high halves of input words 2w and 2w + 1
     const uint32_t a = in[2 * w], b = in[2 * w + 1];
-    out[w] = plat::e4m3x4_from_f32(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xFFFF0000u) * inv,
-                                   __uint_as_float(b << 16) * inv, __uint_as_float(b & 0xFFFF0000u) * inv);
-#else
-    uint32_t packed = 0;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const int e = w * 4 + b;  // element e: the low or high half of input word e / 2
-      const uint32_t half = (in[e / 2] >> (16 * (e % 2))) & 0xFFFFu;
-      packed |= uint32_t(Fp8E4m3FromF32(__uint_as_float(half << 16) * inv)) << (8 * b);
-    }
-    out[w] = packed;
-#endif
+    out[w] = E4m3Word(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xFFFF0000u) * inv,
+                      __uint_as_float(b << 16) * inv, __uint_as_float(b & 0xFFFF0000u) * inv);
   }
   plat::vec16_t v;
   __builtin_memcpy(&v, out, 16);
