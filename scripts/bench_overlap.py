@@ -145,13 +145,14 @@ def _point(op, rank, ws, n, args, gen) -> dict:
         dist.all_gather_object(every, times)
         target = max(times["gemm"], times["leg"])
         kind = DISPATCH if leg == "dispatch" else COMBINE
-        var = getattr(op, "_variants", None)  # (the hip backend's variant walk: the send kernel's grid)
-        send_cfg = var.half(kind, EpPhase.Send)[op._pick(n)] if var is not None else None
+        var = getattr(op, "_variants", None)  # (the hip backend's variant walk: each half's grid)
+        grids = {ph: _blocks(var, kind, ph, op._pick(n)) for ph in (EpPhase.Send, EpPhase.Recv)}
         row[leg] = {**{f"{k}_us": v for k, v in times.items()}, "target_us": target,
                     "within_10pct": times["split_gemm"] <= 1.1 * target,
                     "within_10pct_eager": times["split_gemm_eager"] <= 1.1 * target,
-                    "send_blocks": send_cfg.blockNum if send_cfg is not None else None,
-                    "recv_blocks": (1 if kind == DISPATCH else send_cfg.blockNum) if send_cfg is not None else None,
+                    # (no send kernel: 0 blocks; the dispatch's receive is one block)
+                    "send_blocks": grids[EpPhase.Send],
+                    "recv_blocks": 1 if kind == DISPATCH and var is not None else grids[EpPhase.Recv],
                     "per_rank": every}
         if rank == 0:
             t = row[leg]
@@ -163,6 +164,15 @@ def _point(op, rank, ws, n, args, gen) -> dict:
                   f"({'ok' if t['within_10pct_eager'] else 'over'})", flush=True)
     op.check()
     return row
+
+
+def _blocks(var, kind, phase, bucket):
+    """The grid in blocks of bucket ``bucket``'s ``phase`` half of leg ``kind``: None without the hip
+    backend's variants (``var``), 0 where the half has no kernel (the combine's send at one rank)."""
+    if var is None:
+        return None
+    half = var.half(kind, phase)
+    return half[bucket].blockNum if half else 0
 
 
 def _job(rank, ws, args, out_path):

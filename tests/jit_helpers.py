@@ -39,7 +39,7 @@ def force_cfg(cls: type, **values: Any) -> Any:
     return obj
 
 
-def sample_cfgs(cls: type, n_valid: int, n_invalid: int, seed: int = 0, max_tries: int = 200_000):
+def sample_cfgs(cls: type, n_valid: int, n_invalid: int, seed: int = 0, max_tries: int = 500_000):
     """``n_valid`` distinct valid configs and ``n_invalid`` invalid ones (built with :func:`force_cfg`)."""
     rng = random.Random(seed)
     infos = cfg_fields(cls)

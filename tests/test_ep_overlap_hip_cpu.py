@@ -70,6 +70,17 @@ def test_the_split_adds_a_send_and_a_receive_kernel_per_leg_and_bucket(fields):
     assert len(added) == 2 * (len(set(whole.dispatch)) + len(set(whole.combine)))
 
 
+def test_a_one_rank_combine_has_no_send_kernel():
+    """At one rank the combine's send has no peer to push to: the variants (and so the op and
+    precompile) have no combine send kernel there, and every other half as at several ranks."""
+    one = ep_variants(_cfg(world_size=1, num_experts_per_rank=32, split_send_recv=True), "sm_90a", 132)
+    two = ep_variants(_cfg(world_size=2, split_send_recv=True), "sm_90a", 132)
+    assert one.half(COMBINE, EpPhase.Send) == () and len(two.half(COMBINE, EpPhase.Send)) == len(two.combine)
+    assert len(one.half(COMBINE, EpPhase.Recv)) == len(one.combine)
+    assert all(len(one.half(DISPATCH, p)) == len(one.dispatch) for p in HALVES)
+    assert not [c for spec, c in one.requests() if spec is EP_COMBINE and c.phase == EpPhase.Send]
+
+
 def test_the_phase_is_chosen_by_the_call_never_by_an_override(monkeypatch):
     assert make_ep_cfg(DISPATCH, "sm_90a", {"phase": "Send"}).phase == EpPhase.Send
     with pytest.raises(ConfigError, match="phase=Recv on the layout kernel: only dispatch and combine run in halves"):

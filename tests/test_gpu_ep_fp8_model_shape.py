@@ -3,7 +3,8 @@ ids), at every world size of ``MORI_EP_TEST_WORLD_SIZES``: the combine wire's ca
 block-128 cast, each byte for byte against its golden. A row is 56 scale blocks there and the kernels
 keep several vectors per lane in flight, where a pair form of the hardware e4m3 conversion (a 16-bit
 result per instruction) put NaN bytes into the combine wire's cast (kernels/platform/nvidia.hpp:
-e4m3x4_from_f32); the other GPU checks run hidden 256, which does not show it."""
+e4m3x4_from_f32); the other GPU checks run hidden 256, which does not show it. And one rank at that
+shape with thousands of tokens, where the combine runs two blocks per SM (more blocks than SMs)."""
 from __future__ import annotations
 
 import pytest
@@ -20,11 +21,12 @@ BIG_H, BIG_K, BIG_E, BIG_M = 7168, 8, 256, 128
 FP8 = torch.float8_e4m3fn
 
 
-def _cfg(rank, ws, **fields):
-    """The hip op at the model's shape, int64 ids, with the cast's ``fields``."""
+def _cfg(rank, ws, m=BIG_M, **fields):
+    """The hip op at the model's shape (``m`` tokens per rank at most), int64 ids, with the cast's
+    ``fields``."""
     from mori_jit.ops.ep import EpDispatchCombineConfig
 
-    return EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=BIG_H, max_num_inp_token_per_rank=BIG_M,
+    return EpDispatchCombineConfig(rank=rank, world_size=ws, hidden_dim=BIG_H, max_num_inp_token_per_rank=m,
                                    num_experts_per_rank=BIG_E // ws, num_experts_per_token=BIG_K,
                                    kernel_backend="hip", index_dtype=torch.int64, **fields)
 
@@ -91,3 +93,41 @@ def _cast_job(rank, ws, scale_bytes):
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_hip_fp8_dispatch_cast_at_a_models_shape(ws, scale_bytes):
     run_ep_job(_cast_job, ws, scale_bytes)
+
+
+#: One rank's token counts per call: its combine's bucket edge is 128 tokens; above it the combine
+#: runs on two blocks per SM (tuning: the one-rank row), below on one.
+ONE_RANK_CALLS = (4096, 1, 0, 129, 2049, 4096)
+
+
+def _one_rank_job(rank, ws, quant, scale_bytes):
+    """Identity experts with weights, one rank, token counts changing every call: y exactly the sum
+    of the cast rows and y_w the weights, into outputs poisoned with NaN first."""
+    from mori_jit.ops.ep import EpDispatchCombineOp
+
+    gen = torch.Generator().manual_seed(97)
+    cfg = _cfg(rank, ws, max(ONE_RANK_CALLS), quant_type=quant, combine_scale_type_size=scale_bytes)
+    with EpDispatchCombineOp(cfg) as op:
+        big = op._variants.combine[-1]  # (what the calls above the edge launch: two blocks per SM of the share)
+        assert big.blocksPerSm == 2, big
+        for call, n in enumerate(ONE_RANK_CALLS):
+            x = torch.randn(n, BIG_H, generator=gen).bfloat16().to(_dev())
+            idx = torch.rand(n, BIG_E, generator=gen).argsort(dim=1)[:, :BIG_K].to(_dev())  # (distinct, int64)
+            w = torch.rand(n, BIG_K, generator=gen).to(_dev())
+            res = op.dispatch(x, w, None, idx, return_result=True)
+            y = torch.full((n, BIG_H), float("nan"), dtype=torch.bfloat16, device=_dev())
+            y_w = torch.full((n, BIG_K), float("nan"), device=_dev())
+            got, got_w = op.combine(res.out, weights=res.out_weights, routing=res.routing, out=y, out_weights=y_w)
+            assert got.data_ptr() == y.data_ptr() and got_w.data_ptr() == y_w.data_ptr()
+            want = golden_identity_sum(x, idx, ws, quant, scale_bytes, torch.bfloat16, experts_per_rank=BIG_E)
+            diff = y.view(torch.int16) != want.view(torch.int16)
+            where = f"{quant}/{scale_bytes} call {call} ({n} tokens)"
+            assert not bool(diff.any()), f"{where}: {int(diff.sum())} elements differ from the cast rows"
+            assert torch.equal(y_w, w), f"{where}: the weights differ"
+        op.check()
+
+
+@pytest.mark.skipif(1 not in WORLD_SIZES, reason="MORI_EP_TEST_WORLD_SIZES has no 1")
+@pytest.mark.parametrize("quant, scale_bytes", [("none", 4), *WIRES])
+def test_one_rank_combine_on_two_blocks_per_sm(quant, scale_bytes):
+    run_ep_job(_one_rank_job, 1, quant, scale_bytes)

@@ -94,4 +94,6 @@ def test_the_overlap_benchmark_runs_and_writes_its_json(tmp_path):
             t = r[leg]
             assert all(t[f"{k}_us"] > 0 for k in ("gemm", "leg", "leg_then_gemm", "split_gemm", "send", "recv",
                                                   "leg_then_gemm_eager", "split_gemm_eager"))
-            assert t["target_us"] == max(t["gemm_us"], t["leg_us"]) and t["send_blocks"] >= 1
+            assert t["target_us"] == max(t["gemm_us"], t["leg_us"])
+            # (one rank: the combine has no send kernel, docs/design.md §8)
+            assert t["send_blocks"] >= 1 if leg == "dispatch" else t["send_blocks"] == 0

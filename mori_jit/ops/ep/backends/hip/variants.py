@@ -54,8 +54,13 @@ class EpVariants:
 
     def half(self, kind: str, phase: EpPhase) -> tuple[EpCfg, ...]:
         """Per bucket, the ``kind`` leg's EpCfg for one half of the split legs (the whole leg's
-        EpCfg, but for its phase); empty without them."""
-        return halves(self.dispatch if kind == DISPATCH else self.combine, phase, self.split)
+        EpCfg, but for its phase); empty without them, and for the combine's send at one rank:
+        there it has no peer to push to (its receive reads the rows where they lie), and even an
+        empty kernel costs a launch in the caller's step."""
+        legs = self.dispatch if kind == DISPATCH else self.combine
+        if kind == COMBINE and phase == EpPhase.Send and legs[0].worldSize == 1:
+            return ()
+        return halves(legs, phase, self.split)
 
     def all_cfgs(self) -> list[tuple[str, EpCfg]]:
         """Distinct (kind, cfg) pairs — the set of binaries to compile (a dispatch with the
@@ -104,14 +109,14 @@ def _bulk_dispatch(c: EpCfg, arch: str, max_tokens: int) -> bool:
 
 def _schedule(cfg: EpDispatchCombineConfig, share: GridShare, arch: str, low_latency: bool) -> Schedule:
     share.check_pins(cfg)
-    budget = share.budget
+    budget, comb_budget = share.budget, share.combine_budget(cfg.world_size)
     if cfg.schedule is not None:
         disp = [(b[0], b[1], b[2]) for b in cfg.schedule]
         comb = [(b[0], b[3], b[4]) for b in cfg.schedule]
-        return schedule_from_buckets(disp, comb, budget)
+        return schedule_from_buckets(disp, comb, budget, combine_cus=comb_budget)
     base = lookup(ep_dtype(cfg.dispatch_dtype).name.lower(), cfg.world_size, cfg.hidden_dim,
                   cfg.num_experts_per_token, cfg.num_experts_per_rank, budget,
-                  max_warps=EP_MAX_BLOCK_THREADS // wave_size_for_arch(arch))
+                  max_warps=EP_MAX_BLOCK_THREADS // wave_size_for_arch(arch), combine_cus=comb_budget)
     comb_blocks = cfg.combine_block_num
     if comb_blocks is None and low_latency and _one_token_ranges(cfg, budget, arch):
         comb_blocks = budget  # every SM of the share
@@ -133,8 +138,10 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
         return make_ep_cfg(kind, arch, {**kernel_fields(cfg, kind), "blockNum": geo[0], "warpPerBlock": geo[1], **extra})
 
     def combine(geo):  # one-token ranges take their tuning, as requests (a MORI_EP_* override wins)
-        c = leg(COMBINE, geo, lowLatency=low)
-        return c if EpRangeTok(c) == 2 else leg(COMBINE, geo, lowLatency=low, **ONE_TOKEN_COMBINE)
+        # a grid beyond the share (one rank only) asks the compiler to fit that many blocks per SM
+        per_sm = {"blocksPerSm": -(-geo[0] // share.budget)} if geo[0] > share.budget else {}
+        c = leg(COMBINE, geo, lowLatency=low, **per_sm)
+        return c if EpRangeTok(c) == 2 else leg(COMBINE, geo, lowLatency=low, **ONE_TOKEN_COMBINE, **per_sm)
 
     moe = dispatch_moe_fields(cfg)
 
@@ -145,7 +152,7 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
 
     comb = tuple(combine(geo) for geo in sched.combine)
     for c in comb:  # MORI_EP_* overrides come after: refuse what would deadlock or corrupt
-        share.check("combine blockNum", c.blockNum, "; check MORI_EP_*BLOCK_NUM")
+        share.check("combine blockNum", c.blockNum, "; check MORI_EP_*BLOCK_NUM", share.combine_per_sm(cfg.world_size))
         if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
             raise EpConfigError(f"combine lowLatency={c.lowLatency} from MORI_EP_CFG_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")

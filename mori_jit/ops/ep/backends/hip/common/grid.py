@@ -7,7 +7,13 @@ from mori_jit.jit.fields import ConfigError
 from mori_jit.ops.ep import knobs
 from mori_jit.ops.ep.errors import EpConfigError
 
-__all__ = ["check_num_cus", "grid_budget", "check_pin", "ranks_dividing_cus"]
+__all__ = ["check_num_cus", "grid_budget", "check_pin", "ranks_dividing_cus", "SOLO_COMBINE_BLOCKS_PER_SM"]
+
+#: Blocks per SM a one-rank combine's grid may have. Its blocks wait for none of the others
+#: (``kSolo`` in ``ep_combine_summer.hpp``: no flags, no claims), so its grid need not be resident
+#: at once and may exceed the SMs; each block beyond one per SM caps the kernel's registers
+#: (``EpCfg.blocksPerSm``).
+SOLO_COMBINE_BLOCKS_PER_SM = 2
 
 
 def ranks_dividing_cus(ranks_per_device: int) -> int:
@@ -29,10 +35,16 @@ def grid_budget(num_cus: int, ranks_per_device: int) -> int:
     return max(1, num_cus // ranks_per_device)
 
 
-def check_pin(what: str, blocks: int, budget: int, num_cus: int, ranks_per_device: int, hint: str = "") -> None:
-    """Refuse a pinned grid of ``blocks`` beyond this rank's ``budget`` (see :func:`grid_budget`), naming
-    the pin, the limit and why."""
-    if blocks > budget:
+def check_pin(what: str, blocks: int, budget: int, num_cus: int, ranks_per_device: int, hint: str = "",
+              per_sm: int = 1) -> None:
+    """Refuse a pinned grid of ``blocks`` beyond this rank's ``budget`` (see :func:`grid_budget`)
+    times ``per_sm`` (:data:`SOLO_COMBINE_BLOCKS_PER_SM` for a one-rank combine, else 1), naming the
+    pin, the limit and why."""
+    if per_sm > 1 and blocks > budget * per_sm:
+        raise EpConfigError(f"{what}={blocks} exceeds {budget * per_sm}: a one-rank combine waits for no block, so "
+                            f"its grid may exceed the {num_cus} CUs/SMs of the device, up to {per_sm} blocks per "
+                            f"CU/SM; pin at most {budget * per_sm} (or leave it unset){hint}")
+    if per_sm == 1 and blocks > budget:
         share = (f"this rank's share of the {num_cus} CUs/SMs of a device that {ranks_per_device} ranks share"
                  if ranks_per_device > 1 else f"the {num_cus} CUs/SMs of the device")
         raise EpConfigError(f"{what}={blocks} exceeds {budget}, {share}: the kernels wait on their peers, so every "

@@ -189,13 +189,14 @@ class SendStream:
 def make_combine_send(cargs, sends: Sequence[Callable[[], None]], receives: Sequence[Callable[[], None]],
                       new_outputs: CombineOutputs, given: int, stream: SendStream):
     """The KernelSet's ``combine_send``: :func:`make_combine`'s, launching bucket v's send kernel
-    (on ``stream``'s terms); returns ``((y, y_w), receive)``, the receive kernel of bucket v on the
-    same ``cargs`` (which the op leaves alone until the receive: no other call runs while a leg is
-    in flight)."""
+    (on ``stream``'s terms; ``sends`` is empty where the variants have none: one rank); returns
+    ``((y, y_w), receive)``, the receive kernel of bucket v on the same ``cargs`` (which the op
+    leaves alone until the receive: no other call runs while a leg is in flight)."""
 
     def combine_send(v, inp, weights, routing, y, y_w):
         y, y_w = _fill_combine(cargs, new_outputs, given, inp, weights, routing, y, y_w)
-        stream.send(sends[v], (inp, weights))
+        if sends:
+            stream.send(sends[v], (inp, weights))
 
         def receive():
             stream.join()

@@ -11,7 +11,7 @@ import dataclasses
 
 from mori_jit.ops.ep.backends.hip.common.cfg import DISPATCH
 from mori_jit.ops.ep.backends.hip.common.consts import EpCombineQuant, EpDType
-from mori_jit.ops.ep.backends.hip.common.grid import check_num_cus, check_pin, grid_budget
+from mori_jit.ops.ep.backends.hip.common.grid import SOLO_COMBINE_BLOCKS_PER_SM, check_num_cus, check_pin, grid_budget
 from mori_jit.ops.ep.errors import EpConfigError
 
 __all__ = ["ep_dtype", "kernel_fields", "GridShare"]
@@ -56,18 +56,30 @@ class GridShare:
         """The most blocks one rank's grid may have."""
         return grid_budget(self.num_cus, self.ranks_per_device)
 
-    def check(self, what: str, blocks: int, hint: str = "") -> None:
-        """Refuse a grid of ``blocks`` beyond :attr:`budget`, naming ``what`` pinned it."""
-        check_pin(what, blocks, self.budget, self.num_cus, self.ranks_per_device, hint)
+    def check(self, what: str, blocks: int, hint: str = "", per_sm: int = 1) -> None:
+        """Refuse a grid of ``blocks`` beyond :attr:`budget` times ``per_sm``, naming ``what``
+        pinned it."""
+        check_pin(what, blocks, self.budget, self.num_cus, self.ranks_per_device, hint, per_sm)
+
+    @staticmethod
+    def combine_per_sm(world_size: int) -> int:
+        """Blocks per SM of the share a combine's grid may have (a one-rank combine waits for no
+        block: :data:`~.grid.SOLO_COMBINE_BLOCKS_PER_SM`; others need every block resident: 1)."""
+        return SOLO_COMBINE_BLOCKS_PER_SM if world_size == 1 else 1
+
+    def combine_budget(self, world_size: int) -> int:
+        """The most blocks a combine's grid may have at ``world_size`` ranks."""
+        return self.budget * self.combine_per_sm(world_size)
 
     def check_pins(self, cfg) -> None:
         """Refuse every geometry pin of ``cfg`` (its ``schedule`` buckets, else its block counts)
-        beyond :attr:`budget`."""
+        beyond :attr:`budget` (a one-rank combine's: :meth:`combine_budget`)."""
+        per_sm = self.combine_per_sm(cfg.world_size)
         if cfg.schedule is not None:
             for b in cfg.schedule:
                 self.check(f"schedule bucket {tuple(b)!r} dispatch blocks", b[1])
-                self.check(f"schedule bucket {tuple(b)!r} combine blocks", b[3])
+                self.check(f"schedule bucket {tuple(b)!r} combine blocks", b[3], per_sm=per_sm)
             return
-        for field in ("dispatch_block_num", "combine_block_num"):
+        for field, n in (("dispatch_block_num", 1), ("combine_block_num", per_sm)):
             if getattr(cfg, field) is not None:
-                self.check(field, getattr(cfg, field))
+                self.check(field, getattr(cfg, field), per_sm=n)

@@ -32,6 +32,8 @@ __all__ = ["EpDType", "EpPhase", "EpCombineQuant", "EpWireBytes", "CombWord", "W
 EP_ROW_ALIGN = ROW_ALIGN
 #: Most threads in one block, on every supported arch.
 EP_MAX_BLOCK_THREADS = 1024
+#: Most threads one SM holds at once (NVIDIA sm_80 and later): blocksPerSm blocks must fit.
+EP_MAX_SM_THREADS = 2048
 #: Most dynamic shared memory for a dispatch block's bulk-copy stages: sm_90's 227 KiB per block
 #: less the static routing arrays (DispatchRound, at most 24 KiB) and the claim's words.
 EP_MAX_BULK_SMEM = 192 * 1024
@@ -53,6 +55,9 @@ class EpCfg:
     dtype: EpDType = EpDType.Bf16
     blockNum: int = 64
     warpPerBlock: int = 16
+    # blocks each SM holds at once (the launch bound's minimum: registers are capped to fit them);
+    # more than 1 only for a one-rank combine, whose grid may exceed the SMs (nothing in it waits)
+    blocksPerSm: int = 1
     waveSize: int = 64
     useWeights: bool = True
     vecUnroll: int = 4  # 16-byte vectors in flight per lane (per source in combine): memory-level parallelism
@@ -141,6 +146,8 @@ _RULES: list[tuple[Any, str]] = [
     (C.warpPerBlock >= 1, "warpPerBlock must be >= 1"),
     (EpBlockThreads <= EP_MAX_BLOCK_THREADS, f"warpPerBlock*waveSize must be <= {EP_MAX_BLOCK_THREADS}"),
     ((C.vecUnroll >= 1) & (C.vecUnroll <= 8), "vecUnroll must be in 1..8"),
+    ((C.blocksPerSm >= 1) & (EpBlockThreads * C.blocksPerSm <= EP_MAX_SM_THREADS),
+     f"blocksPerSm must be >= 1, and blocksPerSm*warpPerBlock*waveSize <= {EP_MAX_SM_THREADS} (one SM's threads)"),
     (C.bulkMinTokens >= 0, "bulkMinTokens must be >= 0"),
     ((C.scaleDim.eq(0) & C.scaleTypeSize.eq(0)) | ((C.scaleDim >= 1) & (C.scaleTypeSize.eq(1) | C.scaleTypeSize.eq(2)
                                                                        | C.scaleTypeSize.eq(4) | C.scaleTypeSize.eq(8))),

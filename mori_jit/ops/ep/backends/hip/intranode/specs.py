@@ -36,13 +36,14 @@ class EpSpec(Spec):
         return make_ep_cfg(self.kind, toolchain.arch, request or {})
 
     def entry_name(self, cfg: EpCfg) -> str:
-        # (_ll: the low-latency combine; _bulk: a dispatch whose large blocks use the bulk-copy unit;
+        # (_m<n>: n blocks per SM, the launch bound (a one-rank combine); _ll: the low-latency combine; _bulk: a dispatch whose large blocks use the bulk-copy unit;
         # _i64: int64 expert ids; _s<dim>x<bytes>: per-token scales;
         # _cnt: local expert counts; _rr: routing replay; _q128: in-kernel fp8 block cast;
         # _c<capacity>: the expert-major layout; _send/_recv: one half of the split legs; _w8: the
         # combine's fp8 wire, direct cast; _w8b<bytes>: blockwise, with scales of that many bytes)
         return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
-                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{'_ll' if cfg.lowLatency else ''}"
+                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{f'_m{cfg.blocksPerSm}' if cfg.blocksPerSm > 1 else ''}"
+                f"{'_ll' if cfg.lowLatency else ''}"
                 f"{'_bulk' if cfg.bulkMinTokens else ''}{'_i64' if cfg.ids64 else ''}"
                 f"{f'_s{cfg.scaleDim}x{cfg.scaleTypeSize}' if cfg.scaleDim else ''}{'_cnt' if cfg.expertCounts else ''}"
                 f"{'_rr' if cfg.routingReplay else ''}{'_q128' if cfg.quantFp8Block128 else ''}"
@@ -64,7 +65,18 @@ class EpSpec(Spec):
         # Arch routing happens here, on the host: every arch uses the portable body today.
         return {"body_header": "ep/ep_intranode.hpp",
                 "body": _BODIES[self.kind],
-                "elem_t": ELEM_TYPES[cfg.dtype]}
+                "elem_t": ELEM_TYPES[cfg.dtype],
+                "launch_bounds": _launch_bounds(cfg, toolchain)}
+
+
+def _launch_bounds(cfg: EpCfg, toolchain: Toolchain) -> str:
+    """The kernel's ``__launch_bounds__`` arguments: its threads, and on NVIDIA the blocks per SM
+    where there are more than one (``blocksPerSm``; a minimum of 1 is left out: nvcc allocates
+    registers differently with it, and every other kernel keeps its measured code). hip's second
+    argument counts waves per execution unit, not blocks, and no AMD geometry asks for more than
+    one block per CU: AMD gets the threads only."""
+    per_sm = f", {cfg.blocksPerSm}" if cfg.blocksPerSm > 1 and toolchain.vendor == "nvidia" else ""
+    return f"EpBlockThreads(kCfg){per_sm}"
 
 
 EP_DISPATCH = register(EpSpec(DISPATCH))

@@ -7,7 +7,8 @@ where ``None`` is a wildcard over experts per rank (no entry uses one: the sweep
 and values are buckets ``(max_tokens_inclusive | None, blocks, warps)`` in increasing order.
 :func:`lookup` merges both tables even when their bucket edges differ, falls back to one default
 for unswept shapes, and clamps blocks to the device's CU/SM count (combine's cross-device barrier
-needs every block resident). When two geometries measure within noise, the table holds the smaller
+needs every block resident), or a one-rank combine's to its own limit (``combine_cus``: its blocks
+wait for none of the others, so it may hold more than one block per SM). When two geometries measure within noise, the table holds the smaller
 one: it leaves SMs to the expert GEMMs that overlap with communication.
 
 Entries come from ``scripts/bench_ep.py --sweep``; the machine, the method and every sweep are in
@@ -49,10 +50,13 @@ DISPATCH_TABLE: dict[str, dict[tuple, list[Bucket]]] = {
     "fp8": {(2, 7168, 8, 128): [(128, 64, 4), (None, 132, 8)],
             (1, 7168, 8, 256): [(128, 64, 16), (None, 132, 16)]},
 }
-# (world_size, hidden, topk, experts_per_rank | None) -> buckets ("Geometry, EP2 combine", "Geometry, EP1 combine")
+# (world_size, hidden, topk, experts_per_rank | None) -> buckets ("Geometry, EP2 combine", "Geometry, EP1 combine").
+# One rank's 264 blocks are two per SM of an H200 (common.grid.SOLO_COMBINE_BLOCKS_PER_SM) of 14
+# warps: a two-token range of 7168-wide rows is 14 items, one per wave, and two such blocks hold
+# 28 waves per SM where one block of 16 held 16 ("One-rank combine, two blocks per SM").
 COMBINE_TABLE: dict[tuple, list[Bucket]] = {
     (2, 7168, 8, 128): [(128, 64, 16), (None, 132, 16)],
-    (1, 7168, 8, 256): [(128, 64, 16), (None, 132, 16)],
+    (1, 7168, 8, 256): [(128, 64, 16), (None, 264, 14)],
 }
 
 
@@ -72,22 +76,24 @@ def _clamp(geo: tuple[int, int], num_cus: int, max_warps: Optional[int]) -> tupl
 
 
 def schedule_from_buckets(disp: list[Bucket], comb: list[Bucket], num_cus: int,
-                          max_warps: Optional[int] = None) -> Schedule:
+                          max_warps: Optional[int] = None, combine_cus: Optional[int] = None) -> Schedule:
     """Merge two bucket lists with possibly different edges into one schedule, with blocks clamped
-    to ``num_cus`` and warps per block to ``max_warps`` (None: not clamped)."""
+    to ``num_cus`` (the combine's to ``combine_cus`` where given) and warps per block to
+    ``max_warps`` (None: not clamped)."""
     finite = sorted({b[0] for b in disp + comb if b[0] is not None})
     edges: list[Optional[int]] = [*finite, None]
     d = tuple(_clamp(_at(disp, e), num_cus, max_warps) for e in edges)
-    c = tuple(_clamp(_at(comb, e), num_cus, max_warps) for e in edges)
+    c = tuple(_clamp(_at(comb, e), combine_cus or num_cus, max_warps) for e in edges)
     return Schedule(tuple(edges), d, c)
 
 
 def lookup(dtype: str, world_size: int, hidden: int, topk: int, experts_per_rank: int, num_cus: int,
-           max_warps: Optional[int] = None) -> Schedule:
+           max_warps: Optional[int] = None, combine_cus: Optional[int] = None) -> Schedule:
     """The schedule for one shape: table entries where swept, the defaults otherwise. The tables
     count warps of the arch they were swept on; ``max_warps`` (1024 threads / wave size) keeps an
-    entry valid on an arch with wider waves."""
+    entry valid on an arch with wider waves. ``combine_cus``: the combine's block limit where it
+    differs from ``num_cus`` (one rank)."""
     key = (world_size, hidden, topk, experts_per_rank)
     disp = _find(DISPATCH_TABLE.get(dtype, {}), key) or [(None, *DEFAULT_DISPATCH)]
     comb = _find(COMBINE_TABLE, key) or [(None, *DEFAULT_COMBINE)]
-    return schedule_from_buckets(disp, comb, num_cus, max_warps)
+    return schedule_from_buckets(disp, comb, num_cus, max_warps, combine_cus)
