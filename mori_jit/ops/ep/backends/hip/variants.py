@@ -152,7 +152,8 @@ def ep_variants(cfg: EpDispatchCombineConfig, arch: str, num_cus: int, ranks_per
 
     comb = tuple(combine(geo) for geo in sched.combine)
     for c in comb:  # MORI_EP_* overrides come after: refuse what would deadlock or corrupt
-        share.check("combine blockNum", c.blockNum, "; check MORI_EP_*BLOCK_NUM", share.combine_per_sm(cfg.world_size))
+        share.check("combine blockNum", c.blockNum, "; check MORI_EP_*BLOCK_NUM",
+                    per_sm=share.combine_per_sm(cfg.world_size))
         if c.lowLatency != low:  # (it sizes arena regions, which every rank must lay out alike)
             raise EpConfigError(f"combine lowLatency={c.lowLatency} from MORI_EP_CFG_*LOW_LATENCY: set "
                               f"EpDispatchCombineConfig.combine_low_latency instead")

@@ -40,12 +40,14 @@ def check_pin(what: str, blocks: int, budget: int, num_cus: int, ranks_per_devic
     """Refuse a pinned grid of ``blocks`` beyond this rank's ``budget`` (see :func:`grid_budget`)
     times ``per_sm`` (:data:`SOLO_COMBINE_BLOCKS_PER_SM` for a one-rank combine, else 1), naming the
     pin, the limit and why."""
-    if per_sm > 1 and blocks > budget * per_sm:
-        raise EpConfigError(f"{what}={blocks} exceeds {budget * per_sm}: a one-rank combine waits for no block, so "
-                            f"its grid may exceed the {num_cus} CUs/SMs of the device, up to {per_sm} blocks per "
-                            f"CU/SM; pin at most {budget * per_sm} (or leave it unset){hint}")
-    if per_sm == 1 and blocks > budget:
+    limit = budget * per_sm
+    if blocks <= limit:
+        return
+    if per_sm > 1:
+        why = (f": a one-rank combine waits for no block, so its grid may exceed the {num_cus} CUs/SMs of the "
+               f"device, up to {per_sm} blocks per CU/SM")
+    else:
         share = (f"this rank's share of the {num_cus} CUs/SMs of a device that {ranks_per_device} ranks share"
                  if ranks_per_device > 1 else f"the {num_cus} CUs/SMs of the device")
-        raise EpConfigError(f"{what}={blocks} exceeds {budget}, {share}: the kernels wait on their peers, so every "
-                          f"block of every rank must be resident at once; pin at most {budget} (or leave it unset){hint}")
+        why = f", {share}: the kernels wait on their peers, so every block of every rank must be resident at once"
+    raise EpConfigError(f"{what}={blocks} exceeds {limit}{why}; pin at most {limit} (or leave it unset){hint}")

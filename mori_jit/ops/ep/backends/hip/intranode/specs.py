@@ -36,14 +36,15 @@ class EpSpec(Spec):
         return make_ep_cfg(self.kind, toolchain.arch, request or {})
 
     def entry_name(self, cfg: EpCfg) -> str:
-        # (_m<n>: n blocks per SM, the launch bound (a one-rank combine); _ll: the low-latency combine; _bulk: a dispatch whose large blocks use the bulk-copy unit;
+        # (_m<n>: n blocks per SM, the launch bound (a one-rank combine); _ll: the low-latency
+        # combine; _bulk: a dispatch whose large blocks use the bulk-copy unit;
         # _i64: int64 expert ids; _s<dim>x<bytes>: per-token scales;
         # _cnt: local expert counts; _rr: routing replay; _q128: in-kernel fp8 block cast;
         # _c<capacity>: the expert-major layout; _send/_recv: one half of the split legs; _w8: the
         # combine's fp8 wire, direct cast; _w8b<bytes>: blockwise, with scales of that many bytes)
         return (f"mori_ep_{self.kind}_{cfg.dtype.name.lower()}_ws{cfg.worldSize}_h{cfg.hiddenDim}"
-                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}{f'_m{cfg.blocksPerSm}' if cfg.blocksPerSm > 1 else ''}"
-                f"{'_ll' if cfg.lowLatency else ''}"
+                f"_k{cfg.numExpertPerToken}_{cfg.blockNum}x{cfg.warpPerBlock}"
+                f"{f'_m{cfg.blocksPerSm}' if cfg.blocksPerSm > 1 else ''}{'_ll' if cfg.lowLatency else ''}"
                 f"{'_bulk' if cfg.bulkMinTokens else ''}{'_i64' if cfg.ids64 else ''}"
                 f"{f'_s{cfg.scaleDim}x{cfg.scaleTypeSize}' if cfg.scaleDim else ''}{'_cnt' if cfg.expertCounts else ''}"
                 f"{'_rr' if cfg.routingReplay else ''}{'_q128' if cfg.quantFp8Block128 else ''}"

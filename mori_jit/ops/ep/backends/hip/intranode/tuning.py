@@ -8,8 +8,9 @@ and values are buckets ``(max_tokens_inclusive | None, blocks, warps)`` in incre
 :func:`lookup` merges both tables even when their bucket edges differ, falls back to one default
 for unswept shapes, and clamps blocks to the device's CU/SM count (combine's cross-device barrier
 needs every block resident), or a one-rank combine's to its own limit (``combine_cus``: its blocks
-wait for none of the others, so it may hold more than one block per SM). When two geometries measure within noise, the table holds the smaller
-one: it leaves SMs to the expert GEMMs that overlap with communication.
+wait for none of the others, so it may hold more than one block per SM). When two geometries
+measure within noise, the table holds the smaller one: it leaves SMs to the expert GEMMs that
+overlap with communication.
 
 Entries come from ``scripts/bench_ep.py --sweep``; the machine, the method and every sweep are in
 docs/performance.md (its decisions table has a row per entry).
