@@ -2,7 +2,9 @@
 flags to wait for and ranges taken at the grid's stride (kSolo), it keeps no block barrier per range;
 the receive half of a two-rank combine, which has no senders either, keeps the one after its poll.
 And the one-rank combine's grid, which need not be resident at once: two blocks per SM, their
-registers capped by the launch bound; every other combine keeps one block per SM of its share."""
+registers capped by the launch bound; every other combine keeps one block per SM of its share.
+Its blocks end with no fence (nothing reads the rank's memory before the kernel's end); and every
+summer writes bf16 through the packed hardware conversion, two values an instruction."""
 from __future__ import annotations
 
 import re
@@ -74,3 +76,23 @@ def test_only_a_one_rank_combine_grid_may_exceed_the_sms():
         _combine(1, dispatch_block_num=133)
     with pytest.raises(ConfigError, match=r"blocksPerSm must be >= 1, and blocksPerSm\*warpPerBlock\*waveSize <= 2048"):
         EpCfg(worldSize=1, warpPerBlock=32, waveSize=32, blocksPerSm=3)
+
+
+def _combine_ptx(tmp_path, c: EpCfg, tc) -> str:
+    src = tmp_path / f"{EP_COMBINE.entry_name(c)}.cu"
+    src.write_text(EP_COMBINE.render_source(c, tc))
+    return nvcc_ptx(tc, src, src.with_suffix(".ptx"), [kernels_dir()])
+
+
+def test_a_one_rank_summer_ends_without_a_fence(tmp_path):
+    tc = toolchain_or_skip("sm_90a")
+    fences = {ws: len(re.findall(r"\bfence\.acq_rel\.gpu\b", _combine_ptx(tmp_path, _combine(ws), tc))) for ws in (1, 2)}
+    assert fences[1] == 0 and fences[2] > 0, fences
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_the_summer_packs_bf16_in_hardware(tmp_path, ws):
+    tc = toolchain_or_skip("sm_90a")
+    c = _combine(ws)
+    # one conversion per output word: four per 16-byte vector, vecUnroll vectors per lane
+    assert len(re.findall(r"\bcvt\.rn\.bf16x2\.f32\b", _combine_ptx(tmp_path, c, tc))) >= 4 * c.vecUnroll

@@ -105,8 +105,9 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
   // The wave's first item's sources (from the forward map, which a previous kernel wrote), worked
   // out before the wait: after it, that arithmetic cost 0.6-0.8 us of issue (every wave of the
   // block runs it at once, four to a scheduler).
+  // (one rank: no wait to hide the own row's latency behind, so no L2 hint either)
   Src src(args, sumWeights, wave < numItems && lane < kK ? tokOff[(t0 + wave / kChunks) * kK + lane] : -1,
-          t0 + wave / kChunks, (wave % kChunks) * kChunkVecs + lane);
+          t0 + wave / kChunks, kSolo<kCfg> ? -1 : (wave % kChunks) * kChunkVecs + lane);
   uint64_t seen = 0;
   if constexpr (kSolo<kCfg>) {
     seen = plat::now_ns();
@@ -245,11 +246,9 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (v0 + u * kW >= kVecs) break;
-        vec16_t o;
-        T* oe = reinterpret_cast<T*>(&o);
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) oe[e] = from_f32<T>(acc[u][e]);
-        out[v0 + u * kW] = o;
+        uint32_t o[4];
+        PackWords<T>(acc[u], o);
+        out[v0 + u * kW] = vec16_t{o[0], o[1], o[2], o[3]};
       }
       if (withW) {
         float w = 0.f;

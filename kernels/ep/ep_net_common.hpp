@@ -199,12 +199,7 @@ struct VecSum {
 
   MORI_DEVICE vec16_t pack() const {
     uint32_t w[4];
-    if constexpr (sizeof(T) == 4) {
-      for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(v[i]);
-    } else {
-      for (int i = 0; i < 4; ++i)
-        w[i] = uint32_t(from_f32<T>(v[2 * i]).bits) | (uint32_t(from_f32<T>(v[2 * i + 1]).bits) << 16);
-    }
+    PackWords<T>(v, w);
     return vec16_t{w[0], w[1], w[2], w[3]};
   }
 };

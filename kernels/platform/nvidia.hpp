@@ -22,6 +22,17 @@ MORI_DEVICE int lowest_bit(uint64_t m) { return __ffsll(static_cast<long long>(m
 
 MORI_DEVICE int popcount(uint64_t m) { return __popcll(m); }
 
+// bf16 bits of (lo, hi) in one word, lo in the low half, in one instruction (sm_80+): round to
+// nearest even, a NaN becomes the canonical NaN 0x7fff.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MORI_HAS_BF16_CVT 1
+MORI_DEVICE uint32_t bf16x2_from_f32(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // (the first source: the high half)
+  return r;
+}
+#endif
+
 // e4m3fn bytes of (a, b, c, d), a in the low byte, in two instructions where the arch has them
 // (sm_89+): round to nearest even, finite values past 448 saturate to 448, NaN stays NaN. The two
 // 16-bit halves never leave the asm block: with one 16-bit ("=h") output per pair, nvcc 13.0 put

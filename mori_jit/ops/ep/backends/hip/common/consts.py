@@ -154,8 +154,9 @@ class Stamp(CConst):
     kStCombStart = 8
     kStCombFirstRange = 9
     kStCombSent = 10  # the latest sender's finish (atomic max)
+    # (11 and 13: not at one rank, whose blocks wait on no flag and count nothing)
     kStCombSummed = 11  # the latest block's sums computed, before its last output stores (atomic max)
-    kStCombEnd = 12  # the latest block's done counts sent (atomic max)
+    kStCombEnd = 12  # the latest block's end, its done counts sent (atomic max)
     kStCombFlagsSeen = 13  # the latest time a summer saw its range's flags (low latency: had its rows) (atomic max)
     kStCombFirstStore = 14  # block 0 may push (past its wait for the peers' last combine; its first rows' loads issued)
 
