@@ -73,8 +73,9 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   auto finish = [&](uint64_t seen) {
     const uint64_t summed = plat::now_ns();
     // One rank: nothing reads this rank's memory before the kernel's end (its next kernels follow
-    // in stream order), so no fence, and block 0 counts the whole unit: 264 blocks' atomics on
-    // one word sat on the kernel's tail (-0.5 us at 4096 tokens: docs/performance.md).
+    // in stream order), so no fence, and block 0 counts the whole unit: one atomic per block on
+    // one word sat on the kernel's tail (docs/performance.md, "One-rank block end: no fence, one
+    // count").
     // every load (and empty-word store) of this block, before the counts
     if constexpr (!kSolo<kCfg>) FenceBlockLocalDevice();
     if (threadIdx.x != 0) return;
