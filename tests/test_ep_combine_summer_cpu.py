@@ -30,6 +30,12 @@ def _combine(ws: int, **fields) -> EpCfg:
     return ep_variants(cfg, "sm_90a", 132).combine[-1]
 
 
+def _combine_ptx(tmp_path, c: EpCfg, tc) -> str:
+    src = tmp_path / f"{EP_COMBINE.entry_name(c)}.cu"
+    src.write_text(EP_COMBINE.render_source(c, tc))
+    return nvcc_ptx(tc, src, src.with_suffix(".ptx"), [kernels_dir()])
+
+
 def test_the_one_rank_summer_has_no_barrier_per_range(tmp_path):
     tc = toolchain_or_skip("sm_90a")
 
@@ -38,10 +44,7 @@ def test_the_one_rank_summer_has_no_barrier_per_range(tmp_path):
                                       num_experts_per_rank=8, num_experts_per_token=8, split_send_recv=True)
         c = ep_variants(cfg, "sm_90a", 132).half(COMBINE, EpPhase.Recv)[-1]
         assert c.worldSize == ws and c.phase == EpPhase.Recv and not c.lowLatency
-        src = tmp_path / f"{EP_COMBINE.entry_name(c)}.cu"
-        src.write_text(EP_COMBINE.render_source(c, tc))
-        return len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", nvcc_ptx(tc, src, src.with_suffix(".ptx"),
-                                                                         [kernels_dir()])))
+        return len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", _combine_ptx(tmp_path, c, tc)))
 
     one, two = barriers(1), barriers(2)
     assert 0 < one < two, (one, two)
@@ -55,9 +58,7 @@ def test_a_one_rank_combine_holds_two_blocks_per_sm(tmp_path):
     assert EP_COMBINE.entry_name(one).endswith("_264x14_m2") and "_m" not in EP_COMBINE.entry_name(two)[-4:]
 
     def bound(c: EpCfg) -> list[str]:
-        src = tmp_path / f"{EP_COMBINE.entry_name(c)}.cu"
-        src.write_text(EP_COMBINE.render_source(c, tc))
-        return re.findall(r"\.minnctapersm\s+(\d+)", nvcc_ptx(tc, src, src.with_suffix(".ptx"), [kernels_dir()]))
+        return re.findall(r"\.minnctapersm\s+(\d+)", _combine_ptx(tmp_path, c, tc))
 
     assert bound(one) == ["2"] and bound(two) == []  # (a minimum of 1 is not rendered: the kernel as before)
     # hip's second argument is not blocks per CU: an AMD build gets the threads only
@@ -76,12 +77,6 @@ def test_only_a_one_rank_combine_grid_may_exceed_the_sms():
         _combine(1, dispatch_block_num=133)
     with pytest.raises(ConfigError, match=r"blocksPerSm must be >= 1, and blocksPerSm\*warpPerBlock\*waveSize <= 2048"):
         EpCfg(worldSize=1, warpPerBlock=32, waveSize=32, blocksPerSm=3)
-
-
-def _combine_ptx(tmp_path, c: EpCfg, tc) -> str:
-    src = tmp_path / f"{EP_COMBINE.entry_name(c)}.cu"
-    src.write_text(EP_COMBINE.render_source(c, tc))
-    return nvcc_ptx(tc, src, src.with_suffix(".ptx"), [kernels_dir()])
 
 
 def test_a_one_rank_summer_ends_without_a_fence(tmp_path):
