@@ -72,12 +72,12 @@ MORI_DEVICE void EpCombineBody(const EpArgs& args) {
   // block waits for another. seen: when this block last saw a range's flags (0: it summed none).
   auto finish = [&](uint64_t seen) {
     const uint64_t summed = plat::now_ns();
-    // One rank: nothing reads this rank's memory before the kernel's end (its next kernels follow
-    // in stream order), so no fence, and block 0 counts the whole unit: one atomic per block on
-    // one word sat on the kernel's tail (docs/performance.md, "One-rank block end: no fence, one
-    // count"). A block that starts after that count reads the next epoch, which is harmless: at
-    // one rank only block 0 uses its epoch (parity), here.
-    // every load (and empty-word store) of this block, before the counts
+    // Every load (and empty-word store) of this block, before the counts. One rank: nothing reads
+    // this rank's memory before the kernel's end (its next kernels follow in stream order), so no
+    // fence, and block 0 counts the whole unit: one atomic per block on one word sat on the
+    // kernel's tail (docs/performance.md, "One-rank block end: no fence, one count"). A block that
+    // starts after that count reads the next epoch, which is harmless: at one rank only block 0
+    // uses its epoch (parity), here.
     if constexpr (!kSolo<kCfg>) FenceBlockLocalDevice();
     if (threadIdx.x != 0) return;
     if (blockIdx.x == 0) {

@@ -110,7 +110,7 @@ MORI_DEVICE void SumRange(const EpArgs& args, uint64_t target, bool sumWeights, 
           t0 + wave / kChunks, kSolo<kCfg> ? -1 : (wave % kChunks) * kChunkVecs + lane);
   uint64_t seen = 0;
   if constexpr (kSolo<kCfg>) {
-    seen = plat::now_ns();
+    // (no flags to wait for, no claim to publish; `seen` stays 0: a one-rank block stamps its end only)
   } else if constexpr (!kLow) {
     // One poller per peer and block (a poller per wave measured slower: the polls load the memory
     // system the senders use).
